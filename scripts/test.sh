@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up and runs the test suite. Servers the tests start (the Mooncake master) listen on
+# loopback only: as root, the suite runs inside a fresh network namespace with only `lo` up.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test
+PY=${PYTHON:-python3}
+
+if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then
+  exec unshare -n bash -c 'ip link set lo up && exec "$0" -m pytest -q "$@"' "$PY" "$@"
+fi
+if [ "${CI:-}" = "true" ]; then
+  echo "CI needs root and unshare to isolate the network; refusing to run servers on open interfaces" >&2
+  exit 1
+fi
+exec "$PY" -m pytest -q "$@"
