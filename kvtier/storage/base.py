@@ -1,0 +1,314 @@
+"""The L3 storage contract: multi-pool page transfers, hit policies, and the backend registry.
+
+A transfer moves the pages of one pool (``"kv"``, ``"swa"``, ``"mamba"``, ``"indexer"``, ...)
+between L3 and host page buffers. Its keys are page hashes (``keys.page_hashes``); the backend
+turns each into an object name with the pool suffix and, for sharded caches, the TP rank
+(``keys.KeyScope``). Host page buffers are 1-D uint8 CPU tensors, one per page, normally
+zero-copy views into the pinned host pool.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from kvtier.storage.keys import KeyScope
+from kvtier.storage.metrics import Direction, StorageMetrics, Tier
+
+__all__ = [
+    "ALL_PAGES",
+    "TRAILING_PAGES",
+    "BatchResult",
+    "HitPolicy",
+    "PoolTransfer",
+    "StorageBackend",
+    "available_backends",
+    "create_backend",
+    "register_backend",
+    "usable_prefix",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HitPolicy:
+    """Which pages of a prefix a pool needs: all of them, or only the last ``trailing``."""
+
+    trailing: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.trailing is not None and self.trailing < 1:
+            raise ValueError(f"TRAILING_PAGES needs n >= 1, got {self.trailing}")
+
+    def __repr__(self) -> str:
+        return "ALL_PAGES" if self.trailing is None else f"TRAILING_PAGES({self.trailing})"
+
+
+ALL_PAGES = HitPolicy()
+"""Every page of the prefix must exist in this pool (KV, DSA indexer, compressed KV)."""
+
+
+def TRAILING_PAGES(n: int) -> HitPolicy:
+    """Only the last ``n`` pages of the prefix must exist (SWA: window pages; Mamba: 1)."""
+    return HitPolicy(trailing=n)
+
+
+@dataclass(frozen=True)
+class PoolTransfer:
+    """The pages of one pool in one batch call.
+
+    Attributes:
+        pool: pool name, ``[a-z0-9_]+``; at most one transfer per pool in a call.
+        keys: one page hash per page. For ``exists`` these are the hashes of every page of the
+            candidate prefix, whatever the policy; for ``get``/``set`` the pages to move.
+        pages: for ``get``/``set``, one host page buffer per key: 1-D, uint8, contiguous, on CPU.
+            ``get`` writes into them; ``set`` only reads them. Unused by ``exists``.
+        policy: the pool's hit policy, used by ``exists``.
+    """
+
+    pool: str
+    keys: Sequence[str]
+    pages: Sequence[torch.Tensor] = ()
+    policy: HitPolicy = field(default=ALL_PAGES)
+
+
+class BatchResult(NamedTuple):
+    """Per pool, per page: whether that page was moved (and, on read, verified)."""
+
+    ok: dict[str, list[bool]]
+
+    def hit_pages(self, pool: str) -> int:
+        """Length of the leading run of successful pages of ``pool``."""
+        flags = self.ok[pool]
+        return next((i for i, f in enumerate(flags) if not f), len(flags))
+
+    @property
+    def all_ok(self) -> bool:
+        return all(all(flags) for flags in self.ok.values())
+
+
+def _best_under(flags: Sequence[bool], policy: HitPolicy, bound: int) -> int:
+    """Largest prefix length ``l <= bound`` whose pages ``flags`` satisfies under ``policy``."""
+    if policy.trailing is None:
+        return next((i for i in range(bound) if not flags[i]), bound)
+    n, length = policy.trailing, bound
+    while length > 0:
+        # A missing page j rules out every prefix whose trailing window holds it: j+1..j+n.
+        missing = next((j for j in range(length - 1, max(0, length - n) - 1, -1) if not flags[j]), -1)
+        if missing < 0:
+            return length
+        length = missing
+    return 0
+
+
+def usable_prefix(present: Sequence[Sequence[bool]], policies: Sequence[HitPolicy]) -> int:
+    """Longest prefix (in pages) usable in every pool, given which pages each pool holds.
+
+    ``present[p][i]`` says whether pool ``p`` holds page ``i``. A prefix of ``l`` pages is usable
+    by an ``ALL_PAGES`` pool when it holds pages ``0..l-1``, and by a ``TRAILING_PAGES(n)`` pool when
+    it holds pages ``max(0, l-n)..l-1``. Iterates to the fixed point: each pool lowers the bound to
+    its best prefix under it, until no pool lowers it.
+    """
+    if not present:
+        return 0
+    bound = min(len(flags) for flags in present)
+    while True:
+        lowered = min(_best_under(f, pol, bound) for f, pol in zip(present, policies))
+        if lowered == bound:
+            return bound
+        bound = lowered
+
+
+class StorageBackend(ABC):
+    """An L3 store of page objects, shared by the prefetch and backup threads.
+
+    Rules every backend keeps:
+
+    * Thread-safe: ``exists``, ``get``, ``set`` and ``clear`` may run concurrently from any threads.
+    * Zero-copy: page bytes go straight between the caller's page buffers and the store (a
+      syscall's or the transport's own buffer); no intermediate Python copy on the hot path.
+    * Every stored object carries a header with a checksum of its payload and a digest of its key
+      (``page_format``). A read that fails verification is a miss: it is counted in
+      ``StorageMetrics.add_checksum_miss``, the page is reported as failed, and the stored object
+      is dropped so a later backup can rewrite it.
+    * Failures are reported per page, never raised: an unreachable or dying store makes the
+      affected pages ``False`` in bounded time. Only misuse (bad arguments) raises.
+    * ``set`` is idempotent: a key already stored is not rewritten and reports success.
+    * Under a rank-replicated ``KeyScope`` only rank 0 writes; ``set`` on another rank writes
+      nothing and reports success, since rank 0 stores the same bytes under the same keys.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, *, scope: KeyScope | None = None, metrics: StorageMetrics | None = None):
+        self.scope = scope or KeyScope()
+        self.metrics = metrics or StorageMetrics()
+
+    # -- what a backend implements ------------------------------------------------------------
+
+    @abstractmethod
+    def _contains(self, object_keys: list[str]) -> list[bool]:
+        """Whether each object exists (a stale ``True`` is allowed; ``get`` will then fail)."""
+
+    @abstractmethod
+    def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+        """Read and verify each object into its page buffer; ``False`` per missing/bad page."""
+
+    @abstractmethod
+    def _write(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+        """Store each page buffer under its object key unless already stored."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every object this backend stored."""
+
+    def register_host_buffer(self, buffer: torch.Tensor) -> None:
+        """Declare a host memory region (a whole host pool) that page buffers will view.
+
+        Backends that move bytes by DMA or RDMA register it with their transport; page buffers
+        passed to ``get``/``set`` must then lie inside a registered region.
+        """
+
+    def close(self) -> None:
+        """Release connections and registrations; the backend is unusable afterwards."""
+
+    # -- the batch API ----------------------------------------------------------------------------
+
+    def exists(self, transfers: Sequence[PoolTransfer]) -> int:
+        """Usable prefix length in pages: the minimum over pools under their hit policies.
+
+        Every transfer lists the same number of page hashes (the candidate prefix). A store error
+        counts as absence.
+        """
+        self._check_pools(transfers)
+        if not transfers:
+            return 0
+        lengths = {len(t.keys) for t in transfers}
+        if len(lengths) != 1:
+            raise ValueError(f"exists needs the same page count in every pool, got {sorted(lengths)}")
+        names = [self.scope.object_keys(t.keys, t.pool) for t in transfers]
+        flat = [k for keys in names for k in keys]
+        try:
+            found = self._contains(flat)
+        except Exception:
+            log.exception("%s: exists failed for %d objects", self.name, len(flat))
+            return 0
+        present, start = [], 0
+        for keys in names:
+            present.append(found[start : start + len(keys)])
+            start += len(keys)
+        return usable_prefix(present, [t.policy for t in transfers])
+
+    def get(self, transfers: Sequence[PoolTransfer]) -> BatchResult:
+        """Read every listed page into its page buffer; per-page success.
+
+        A page reported ``False`` was not served: its buffer's contents are then undefined (it may
+        hold part of the object or bytes that failed verification) and must not be used.
+        """
+        return self._move(transfers, Direction.READ)
+
+    def set(self, transfers: Sequence[PoolTransfer]) -> BatchResult:
+        """Store every listed page buffer; per-page success. Existing keys are not rewritten."""
+        if not self.scope.writes:
+            self._check_pages(transfers)
+            return BatchResult({t.pool: [True] * len(t.keys) for t in transfers})
+        return self._move(transfers, Direction.WRITE)
+
+    # -- shared plumbing ---------------------------------------------------------------------------
+
+    def _move(self, transfers: Sequence[PoolTransfer], direction: Direction) -> BatchResult:
+        self._check_pages(transfers)
+        keys: list[str] = []
+        pages: list[torch.Tensor] = []
+        for t in transfers:
+            keys += self.scope.object_keys(t.keys, t.pool)
+            pages += t.pages
+        start = time.perf_counter()
+        try:
+            done = self._read(keys, pages) if direction is Direction.READ else self._write(keys, pages)
+        except Exception:
+            log.exception("%s: %s of %d pages failed", self.name, direction.value, len(keys))
+            done = [False] * len(keys)
+        seconds = time.perf_counter() - start
+        moved = sum(p.numel() for p, ok in zip(pages, done) if ok)
+        self.metrics.add_transfer(Tier.STORAGE, direction, moved, seconds)
+        failed = len(done) - sum(done)
+        if failed:
+            self.metrics.add_failed_pages(direction, failed)
+        out: dict[str, list[bool]] = {}
+        start = 0
+        for t in transfers:
+            out[t.pool] = list(done[start : start + len(t.keys)])
+            start += len(t.keys)
+        return BatchResult(out)
+
+    @staticmethod
+    def _check_pools(transfers: Sequence[PoolTransfer]) -> None:
+        pools = [t.pool for t in transfers]
+        if len(set(pools)) != len(pools):
+            raise ValueError(f"one transfer per pool per call, got pools {pools}")
+
+    @classmethod
+    def _check_pages(cls, transfers: Sequence[PoolTransfer]) -> None:
+        cls._check_pools(transfers)
+        for t in transfers:
+            if len(t.pages) != len(t.keys):
+                raise ValueError(
+                    f"pool {t.pool!r}: {len(t.keys)} keys but {len(t.pages)} page buffers"
+                )
+            for i, p in enumerate(t.pages):
+                if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.is_cuda:
+                    raise ValueError(
+                        f"pool {t.pool!r} page {i}: need a 1-D contiguous uint8 CPU tensor, "
+                        f"got {p.dtype} shape {tuple(p.shape)} on {p.device}"
+                    )
+
+
+# -- registry -------------------------------------------------------------------------------------
+
+_REGISTRY: dict[str, str | type[StorageBackend]] = {
+    "file": "kvtier.storage.file_backend:FileBackend",
+    "mooncake": "kvtier.storage.mooncake_backend:MooncakeBackend",
+}
+
+
+def register_backend(name: str, backend: str | type[StorageBackend]) -> None:
+    """Make ``create_backend(name)`` build ``backend``: a class, or ``"module:Class"`` to import
+    lazily on first use (so a backend's third-party package is only needed when chosen)."""
+    if name in _REGISTRY:
+        raise ValueError(f"storage backend {name!r} is already registered")
+    _REGISTRY[name] = backend
+
+
+def available_backends() -> list[str]:
+    """Names ``create_backend`` accepts."""
+    return sorted(_REGISTRY)
+
+
+def create_backend(
+    name: str,
+    *,
+    scope: KeyScope | None = None,
+    metrics: StorageMetrics | None = None,
+    **config: Any,
+) -> StorageBackend:
+    """Build backend ``name``; ``config`` goes to its ``Config`` dataclass, which validates it."""
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown storage backend {name!r}; choose one of {available_backends()}"
+        ) from None
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    cfg = target.Config(**config)  # type: ignore[attr-defined]
+    return target(cfg, scope=scope, metrics=metrics)

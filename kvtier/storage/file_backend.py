@@ -1,0 +1,235 @@
+"""The embedded L3 backend: one file per page object in a local (or shared) directory.
+
+File ``<root>/<object key>.kvp`` holds the 32-byte header then the page (``page_format``). Writes
+go to ``<object key>.kvp.<unique>.tmp`` in the same directory and are renamed into place, so a
+reader sees either no file or the whole file; temp files left by a crash are deleted at start-up.
+
+Bytes move with ``os.writev`` / ``os.readv`` straight between the page buffer and the kernel: the
+header and the page are two iovecs of one syscall, with no Python-side copy.
+
+Existence is answered from an in-memory index (key -> size, in least-recently-used order) built by
+scanning the directory at start-up (oldest mtime first). ``get`` refreshes a key's recency;
+``exists`` does not. With ``capacity_bytes`` set, a write first evicts least-recently-used files
+until the new file fits. One mutex guards the index; file IO runs outside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.storage.base import StorageBackend
+from kvtier.storage.keys import KeyScope
+from kvtier.storage.metrics import StorageMetrics
+from kvtier.storage.page_format import HEADER_SIZE, buffer_of, make_header, verify
+
+__all__ = ["FileBackend", "FileBackendConfig"]
+
+_SUFFIX = ".kvp"
+_TMP_SUFFIX = ".tmp"
+
+
+@dataclass(frozen=True)
+class FileBackendConfig:
+    """Attributes:
+    root: directory of page files (created if missing).
+    capacity_bytes: most bytes of page files kept (headers included); ``None`` for no limit.
+    fsync: fsync each file before the rename (durable across power loss; slower).
+    """
+
+    root: str | os.PathLike[str]
+    capacity_bytes: int | None = None
+    fsync: bool = False
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes is not None and self.capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive or None, got {self.capacity_bytes}")
+
+
+class FileBackend(StorageBackend):
+    """Page objects as files in one directory; see the module docstring for the format and rules."""
+
+    name = "file"
+    Config = FileBackendConfig
+
+    def __init__(
+        self,
+        config: FileBackendConfig,
+        *,
+        scope: KeyScope | None = None,
+        metrics: StorageMetrics | None = None,
+    ):
+        super().__init__(scope=scope, metrics=metrics)
+        self.config = config
+        self.root = Path(config.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._mutex = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, LRU first
+        self._stored = 0  # bytes of the files in the index
+        self._reserved = 0  # bytes reserved by writes in flight
+        self._tmp_ids = itertools.count()
+        self._scan()
+
+    # -- index ---------------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        found: list[tuple[float, str, int]] = []
+        with os.scandir(self.root) as entries:
+            for e in entries:
+                if e.name.endswith(_TMP_SUFFIX):
+                    Path(e.path).unlink(missing_ok=True)
+                elif e.name.endswith(_SUFFIX) and e.is_file():
+                    st = e.stat()
+                    found.append((st.st_mtime, e.name[: -len(_SUFFIX)], st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self._stored += size
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, key + _SUFFIX)
+
+    def _forget(self, key: str) -> None:
+        """Drop ``key`` from the index and the disk (a bad or vanished file)."""
+        with self._mutex:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._stored -= size
+        Path(self._path(key)).unlink(missing_ok=True)
+
+    def _reserve(self, size: int) -> list[str] | None:
+        """Reserve ``size`` bytes, evicting LRU keys; returns their paths to unlink, or None."""
+        cap = self.config.capacity_bytes
+        if cap is not None and size > cap:
+            return None
+        victims = []
+        while cap is not None and self._stored + self._reserved + size > cap and self._index:
+            key, vsize = self._index.popitem(last=False)
+            self._stored -= vsize
+            victims.append(self._path(key))
+        if cap is not None and self._stored + self._reserved + size > cap:
+            return None  # the rest is reserved by writes in flight
+        self._reserved += size
+        return victims
+
+    # -- StorageBackend ----------------------------------------------------------------------------
+
+    def _contains(self, object_keys: list[str]) -> list[bool]:
+        with self._mutex:
+            return [k in self._index for k in object_keys]
+
+    def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+        with self._mutex:
+            sizes = [self._index.get(k) for k in object_keys]
+            for k, size in zip(object_keys, sizes):
+                if size is not None:
+                    self._index.move_to_end(k)
+        header = bytearray(HEADER_SIZE)
+        out = []
+        bad = 0
+        for key, page, size in zip(object_keys, pages, sizes):
+            if size is None:
+                out.append(False)
+                continue
+            payload = buffer_of(page)
+            if size != HEADER_SIZE + payload.nbytes:
+                ok = False  # a page of another size under this key: wrong pool or layout
+            else:
+                ok = self._read_file(key, header, payload)
+                if ok is None:  # evicted or cleared since the index lookup
+                    self._forget(key)
+                    out.append(False)
+                    continue
+            if not ok:
+                bad += 1
+                self._forget(key)
+            out.append(ok)
+        if bad:
+            self.metrics.add_checksum_miss(bad)
+        return out
+
+    def _read_file(self, key: str, header: bytearray, payload: memoryview) -> bool | None:
+        """Read and verify one file; None when the file does not exist."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            want = HEADER_SIZE + payload.nbytes
+            got = os.readv(fd, [header, payload])
+            # Short reads are rare on regular files but legal: finish into the payload's tail.
+            while got < want:
+                n = os.readv(fd, [payload[got - HEADER_SIZE :]]) if got >= HEADER_SIZE else 0
+                if n == 0:
+                    return False
+                got += n
+        finally:
+            os.close(fd)
+        return verify(header, key, payload)
+
+    def _write(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+        out = []
+        for key, page in zip(object_keys, pages):
+            payload = buffer_of(page)
+            size = HEADER_SIZE + payload.nbytes
+            with self._mutex:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                    out.append(True)
+                    continue
+                victims = self._reserve(size)
+            if victims is None:
+                out.append(False)
+                continue
+            for path in victims:
+                Path(path).unlink(missing_ok=True)
+            ok = self._write_file(key, payload)
+            with self._mutex:
+                self._reserved -= size
+                if ok and key not in self._index:
+                    self._index[key] = size
+                    self._stored += size
+            out.append(ok)
+        return out
+
+    def _write_file(self, key: str, payload: memoryview) -> bool:
+        path = self._path(key)
+        tmp = f"{path}.{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}{_TMP_SUFFIX}"
+        want = HEADER_SIZE + payload.nbytes
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                done = os.writev(fd, [make_header(key, payload), payload])
+                while done < want:  # a short write (full disk, signal): finish the payload's tail
+                    if done < HEADER_SIZE:
+                        raise OSError(f"short header write to {tmp}")
+                    done += os.write(fd, payload[done - HEADER_SIZE :])
+                if self.config.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            return True
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
+            return False
+
+    def clear(self) -> None:
+        """Delete every page file in the index (writes still in flight may land afterwards)."""
+        with self._mutex:
+            keys = list(self._index)
+            self._index.clear()
+            self._stored = 0
+        for key in keys:
+            Path(self._path(key)).unlink(missing_ok=True)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the indexed page files, headers included."""
+        with self._mutex:
+            return self._stored
