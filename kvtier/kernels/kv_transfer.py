@@ -1,0 +1,384 @@
+"""Triton kernels that move KV items between device buffers and a host buffer.
+
+One kernel serves every case: MHA (K and V buffers) and MLA (one latent buffer), one layer or all
+layers, every host layout, both directions, and both device forms (stacked storage or per-layer
+tensors owned by the runner). Work is cut into tiles of ``BLOCK_T`` tokens x ``BLOCK_W`` words of
+one (buffer, layer); a grid of ``num_programs`` programs walks the tiles grid-stride, so a transfer
+occupies a bounded number of SMs whatever its size. A tile's loads are all issued before its
+stores: reading host memory is latency-bound and wants many bytes in flight per program.
+
+Words are the widest unsigned type that every address and size allows, and offsets carry their
+alignment (``* VEC``) so the compiler emits 16-byte accesses where 16-byte alignment holds.
+
+Indices are int64 tensors on the device pool's device: token slots (in page-aligned runs when
+``page_size > 1``) or page ids (``index_unit="page"``). ``-1`` on either side skips the item.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import triton
+import triton.language as tl
+
+from kvtier.kernels.dispatch import Impl, debug_checks, select_impl
+from kvtier.kernels.layout import DeviceBuffers, HostBuffer
+from kvtier.kernels.reference import ref_copy_kv
+from kvtier.nvtx import fmt_bytes, nvtx_range
+
+__all__ = ["copy_device_to_host", "copy_host_to_device", "TransferKnobs", "DEFAULT_KNOBS"]
+
+IndexUnit = Literal["token", "page"]
+
+_WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+@triton.jit
+def _kv_copy_kernel(
+    dev_ptr,  # word*: the first device tensor; every (buffer, layer) is an offset from it
+    table_ptr,  # int64 [B * L]: offset of each (buffer, layer) tensor, in table units
+    host_ptr,  # word*: the host tensor
+    dev_idx_ptr,  # int64 [n_idx]
+    host_idx_ptr,  # int64 [n_idx]
+    n_tokens,
+    num_layers,
+    layer_start,
+    n_sel_layers,
+    page_size,
+    host_s_buf,  # host strides, in vectors
+    host_s_page,
+    host_s_tok,
+    host_s_layer,
+    dev_s_slot,  # device slot stride, in vectors
+    item_vecs,
+    n_tiles_t,
+    n_tiles_w,
+    num_tiles,
+    D2H: tl.constexpr,
+    TOKENS_PER_INDEX: tl.constexpr,
+    VEC: tl.constexpr,  # words per vector (vector = alignment unit)
+    TABLE_SCALE: tl.constexpr,  # vectors per table unit
+    BLOCK_T: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    EVEN_W: tl.constexpr,
+):
+    i_prog = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    o_t = tl.arange(0, BLOCK_T)
+    o_w = tl.arange(0, BLOCK_W)
+    for i_tile in range(i_prog, num_tiles, n_prog):
+        i_w = i_tile % n_tiles_w
+        i_rest = i_tile // n_tiles_w
+        i_t = i_rest % n_tiles_t
+        i_bl = (i_rest // n_tiles_t).to(tl.int64)
+        i_b = i_bl // n_sel_layers
+        i_l = layer_start + i_bl % n_sel_layers
+
+        o_k = i_t * BLOCK_T + o_t
+        m_k = o_k < n_tokens
+        if TOKENS_PER_INDEX == 1:
+            b_dev = tl.load(dev_idx_ptr + o_k, mask=m_k, other=-1)
+            b_host = tl.load(host_idx_ptr + o_k, mask=m_k, other=-1)
+        else:
+            o_j = o_k // TOKENS_PER_INDEX
+            o_r = o_k % TOKENS_PER_INDEX
+            b_dev = tl.load(dev_idx_ptr + o_j, mask=m_k, other=-1)
+            b_host = tl.load(host_idx_ptr + o_j, mask=m_k, other=-1)
+            b_dev = tl.where(b_dev >= 0, b_dev * TOKENS_PER_INDEX + o_r, -1)
+            b_host = tl.where(b_host >= 0, b_host * TOKENS_PER_INDEX + o_r, -1)
+        m_row = m_k & (b_dev >= 0) & (b_host >= 0)
+
+        dev_base = tl.load(table_ptr + i_b * num_layers + i_l) * TABLE_SCALE
+        o_dev = dev_base + b_dev * dev_s_slot
+        o_host = (
+            i_b * host_s_buf
+            + (b_host // page_size) * host_s_page
+            + (b_host % page_size) * host_s_tok
+            + i_l * host_s_layer
+        )
+        o_col = i_w * BLOCK_W + o_w
+        p_dev = dev_ptr + (o_dev[:, None] * VEC + o_col[None, :])
+        p_host = host_ptr + (o_host[:, None] * VEC + o_col[None, :])
+        if EVEN_W:
+            m = m_row[:, None]
+        else:
+            m = m_row[:, None] & (o_col < item_vecs * VEC)[None, :]
+        if D2H:
+            b_x = tl.load(p_dev, mask=m, cache_modifier=".cg")
+            tl.store(p_host, b_x, mask=m, cache_modifier=".cs")
+        else:
+            b_x = tl.load(p_host, mask=m, cache_modifier=".cg")
+            tl.store(p_dev, b_x, mask=m, cache_modifier=".cs")
+
+
+class TransferKnobs:
+    """Launch knobs for the copy kernels.
+
+    Attributes:
+        num_programs: grid size cap: at most this many programs (about one SM each) run a copy.
+        tile_bytes: bytes one program moves per step (its bytes in flight).
+        num_warps: warps per program.
+    """
+
+    __slots__ = ("num_programs", "tile_bytes", "num_warps")
+
+    def __init__(self, num_programs: int = 4, tile_bytes: int = 32768, num_warps: int = 8) -> None:
+        if num_programs < 1:
+            raise ValueError(f"num_programs must be >= 1, got {num_programs}")
+        if tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
+            raise ValueError(f"tile_bytes must be a power of two >= 16, got {tile_bytes}")
+        if num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
+        self.num_programs = num_programs
+        self.tile_bytes = tile_bytes
+        self.num_warps = num_warps
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferKnobs(num_programs={self.num_programs}, tile_bytes={self.tile_bytes}, "
+            f"num_warps={self.num_warps})"
+        )
+
+
+DEFAULT_KNOBS = TransferKnobs()
+
+
+def _check_index(t: torch.Tensor, name: str, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64:
+        raise ValueError(f"{name}: dtype must be torch.int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name}: must be 1-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but the device pool is on {device}")
+    if t.stride(0) != 1 and t.numel() > 1:
+        raise ValueError(f"{name}: must be contiguous (stride {t.stride(0)})")
+
+
+def _check_index_values(t: torch.Tensor, name: str, limit: int, page_size: int, unit: IndexUnit) -> None:
+    """Range and page-alignment checks; reads the indices back (a device sync on GPU)."""
+    if t.numel() == 0:
+        return
+    lo, hi = int(t.min()), int(t.max())
+    bound = limit // page_size if unit == "page" else limit
+    if lo < -1 or hi >= bound:
+        bad = t[(t < -1) | (t >= bound)][0].item()
+        what = "page id" if unit == "page" else "slot"
+        raise ValueError(f"{name}: {what} {bad} outside [0, {bound}) (and -1 for skip)")
+    if unit == "token" and page_size > 1:
+        if t.numel() % page_size:
+            raise ValueError(
+                f"{name}: {t.numel()} token slots is not a whole number of pages of {page_size}"
+            )
+        runs = t.view(-1, page_size)
+        first = runs[:, :1]
+        offs = torch.arange(page_size, device=t.device, dtype=torch.int64)
+        skip = (runs == -1).all(dim=1)
+        aligned = (first % page_size == 0).squeeze(1) & (runs == first + offs).all(dim=1)
+        bad_rows = ~(skip | aligned)
+        if bool(bad_rows.any()):
+            row = int(bad_rows.nonzero()[0, 0])
+            raise ValueError(
+                f"{name}: slots {runs[row].tolist()[:4]}... at page {row} are not one "
+                f"page-aligned run of {page_size} tokens"
+            )
+
+
+def _validate(
+    dev: DeviceBuffers,
+    host: HostBuffer,
+    dev_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    dev_name: str,
+    host_name: str,
+    layer: int | None,
+    unit: IndexUnit,
+    check: bool | None,
+    impl: str,
+) -> None:
+    if dev.dtype != host.dtype:
+        raise ValueError(f"host: dtype {host.dtype} differs from the device pool's {dev.dtype}")
+    if dev.item_shape != host.item_shape:
+        raise ValueError(
+            f"host: item shape {host.item_shape} differs from the device pool's {dev.item_shape}"
+        )
+    if dev.num_buffers != host.num_buffers or dev.num_layers != host.num_layers:
+        raise ValueError(
+            f"host: {host.num_buffers} buffers x {host.num_layers} layers, device pool has "
+            f"{dev.num_buffers} x {dev.num_layers}"
+        )
+    if layer is not None and not 0 <= layer < dev.num_layers:
+        raise ValueError(f"layer: {layer} outside [0, {dev.num_layers})")
+    if unit not in ("token", "page"):
+        raise ValueError(f"index_unit: must be 'token' or 'page', got {unit!r}")
+    _check_index(dev_idx, dev_name, dev.device)
+    _check_index(host_idx, host_name, dev.device)
+    if dev_idx.numel() != host_idx.numel():
+        raise ValueError(
+            f"{dev_name} has {dev_idx.numel()} entries but {host_name} has {host_idx.numel()}"
+        )
+    if impl == "triton" and not host.tensor.is_pinned():
+        raise ValueError("host: host tensor must be pinned memory on the GPU path")
+    if host.tensor.device.type != "cpu":
+        raise ValueError(f"host: host tensor is on {host.tensor.device}, expected cpu")
+    if check if check is not None else debug_checks():
+        P = host.page_size
+        _check_index_values(dev_idx, dev_name, dev.num_slots, P, unit)
+        _check_index_values(host_idx, host_name, host.num_slots, P, unit)
+
+
+def _launch(
+    dev: DeviceBuffers,
+    host: HostBuffer,
+    dev_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    layer: int | None,
+    unit: IndexUnit,
+    d2h: bool,
+    knobs: TransferKnobs,
+) -> None:
+    tpi = host.page_size if unit == "page" else 1
+    n_tokens = dev_idx.numel() * tpi
+    if n_tokens == 0:
+        return
+    w = min(dev.table_unit, host.align)
+    elem = min(w, 8)
+    word = _WORD_DTYPE[elem]
+    vec = w // elem
+    item_vecs = host.item_bytes // w
+    item_words = item_vecs * vec
+
+    tile_words = max(knobs.tile_bytes // elem, 1)
+    block_w = min(triton.next_power_of_2(item_words), tile_words)
+    block_t = max(1, min(tile_words // block_w, triton.next_power_of_2(n_tokens)))
+    n_tiles_w = triton.cdiv(item_words, block_w)
+    n_tiles_t = triton.cdiv(n_tokens, block_t)
+    n_sel = 1 if layer is not None else dev.num_layers
+    num_tiles = dev.num_buffers * n_sel * n_tiles_t * n_tiles_w
+    grid = (min(knobs.num_programs, num_tiles),)
+
+    def as_words(t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1).view(torch.uint8).view(word)
+
+    _kv_copy_kernel[grid](
+        as_words(dev.base),
+        dev.table,
+        as_words(host.tensor),
+        dev_idx,
+        host_idx,
+        n_tokens,
+        dev.num_layers,
+        0 if layer is None else layer,
+        n_sel,
+        host.page_size,
+        host.stride_buffer // w,
+        host.stride_page // w,
+        host.stride_token // w,
+        host.stride_layer // w,
+        dev.item_bytes // w,
+        item_vecs,
+        n_tiles_t,
+        n_tiles_w,
+        num_tiles,
+        D2H=d2h,
+        TOKENS_PER_INDEX=tpi,
+        VEC=vec,
+        TABLE_SCALE=dev.table_unit // w,
+        BLOCK_T=block_t,
+        BLOCK_W=block_w,
+        EVEN_W=item_words % block_w == 0,
+        num_warps=knobs.num_warps,
+    )
+
+
+def _transfer(
+    dev: DeviceBuffers,
+    host: HostBuffer,
+    dev_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    *,
+    d2h: bool,
+    layer: int | None,
+    unit: IndexUnit,
+    knobs: TransferKnobs | None,
+    check: bool | None,
+    impl: Impl,
+) -> str:
+    path = select_impl(dev.device, impl)
+    if d2h:
+        _validate(dev, host, dev_idx, host_idx, "src_indices", "dst_indices", layer, unit, check, path)
+    else:
+        _validate(dev, host, dev_idx, host_idx, "dst_indices", "src_indices", layer, unit, check, path)
+    n_sel = 1 if layer is not None else dev.num_layers
+    tpi = host.page_size if unit == "page" else 1
+    nbytes = dev_idx.numel() * tpi * dev.num_buffers * n_sel * dev.item_bytes
+    name = (
+        f"kvtier.{'d2h' if d2h else 'h2d'} "
+        f"{'all' if layer is None else f'layer{layer}'} {host.layout.value} {fmt_bytes(nbytes)}"
+    )
+    with nvtx_range(name):
+        if path == "torch":
+            ref_copy_kv(dev, host, dev_idx, host_idx, d2h=d2h, layer=layer, index_unit=unit)
+        elif path == "interpreter" or dev.device.type != "cuda":
+            _launch(dev, host, dev_idx, host_idx, layer, unit, d2h, knobs or DEFAULT_KNOBS)
+        else:
+            with torch.cuda.device(dev.device):
+                _launch(dev, host, dev_idx, host_idx, layer, unit, d2h, knobs or DEFAULT_KNOBS)
+    return path
+
+
+def copy_device_to_host(
+    dev: DeviceBuffers,
+    host: HostBuffer,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    layer: int | None = None,
+    index_unit: IndexUnit = "token",
+    knobs: TransferKnobs | None = None,
+    check: bool | None = None,
+    impl: Impl = "auto",
+) -> str:
+    """Copy items of device slots ``src_indices`` into host slots ``dst_indices``.
+
+    Args:
+        dev: device buffers, ``B x L`` tensors ``[slots, *item]``.
+        host: host buffer (pinned on the GPU path) in any layout.
+        src_indices, dst_indices: int64 ``[n]`` on the device pool's device; token slots in
+            page-aligned runs, or page ids with ``index_unit="page"``; ``-1`` skips.
+        layer: one layer, or None for all layers in one launch.
+        knobs: grid cap, tile bytes, warps.
+        check: run range/alignment checks (default: :func:`kvtier.kernels.debug_checks`).
+        impl: "auto", "triton", "interpreter" or "torch".
+
+    Returns:
+        The path taken: "triton", "interpreter" or "torch". Asynchronous on CUDA (current stream).
+    """
+    return _transfer(
+        dev, host, src_indices, dst_indices,
+        d2h=True, layer=layer, unit=index_unit, knobs=knobs, check=check, impl=impl,
+    )
+
+
+def copy_host_to_device(
+    host: HostBuffer,
+    dev: DeviceBuffers,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    *,
+    layer: int | None = None,
+    index_unit: IndexUnit = "token",
+    knobs: TransferKnobs | None = None,
+    check: bool | None = None,
+    impl: Impl = "auto",
+) -> str:
+    """Copy items of host slots ``src_indices`` into device slots ``dst_indices``.
+
+    Same arguments as :func:`copy_device_to_host`, with source and destination swapped.
+    """
+    return _transfer(
+        dev, host, dst_indices, src_indices,
+        d2h=False, layer=layer, unit=index_unit, knobs=knobs, check=check, impl=impl,
+    )
