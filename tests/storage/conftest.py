@@ -1,0 +1,148 @@
+"""Storage test fixtures: a real ``mooncake_master`` on 127.0.0.1, backends, and host page views.
+
+The Mooncake client listens on every interface, so Mooncake tests only run where the network
+namespace holds nothing but loopback (``scripts/test.sh`` runs the suite under ``unshare -n``).
+Where Mooncake is missing or the network is not isolated, its tests skip, or fail with the reason
+when ``CI=true``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from kvtier.storage import StorageBackend, StorageMetrics, create_backend
+
+MASTER_START_TIMEOUT_S = 20.0
+ARENA_BYTES = 48 << 20  # host memory all test pages are carved from; registered once
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"Mooncake tests cannot run in CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Master(NamedTuple):
+    address: str  # host:port of the RPC service
+    process: subprocess.Popen
+
+
+def start_master(log_dir: Path) -> Master:
+    """Start ``mooncake_master`` with every listener on 127.0.0.1; wait (bounded) until it accepts."""
+    binary = shutil.which("mooncake_master")
+    if binary is None:
+        _unavailable("mooncake_master is not on PATH (pip install mooncake-transfer-engine-non-cuda)")
+    ifaces = sorted(name for _, name in socket.if_nameindex())
+    if ifaces != ["lo"]:
+        _unavailable(
+            f"network interfaces {ifaces} besides lo: the Mooncake client listens on all of them; "
+            "run under `unshare -n` with only lo up (scripts/test.sh)"
+        )
+    rpc_port = _free_port()
+    log_path = log_dir / f"mooncake_master_{rpc_port}.log"
+    cmd = [
+        binary,
+        "--rpc_address=127.0.0.1",
+        f"--rpc_port={rpc_port}",
+        "--enable_http_metadata_server=false",
+        "--http_metadata_server_host=127.0.0.1",
+        f"--http_metadata_server_port={_free_port()}",
+        "--metrics_host=127.0.0.1",
+        f"--metrics_port={_free_port()}",
+        "--enable_metric_reporting=false",
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + MASTER_START_TIMEOUT_S
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"mooncake_master exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            socket.create_connection(("127.0.0.1", rpc_port), timeout=0.2).close()
+            return Master(f"127.0.0.1:{rpc_port}", proc)
+        except OSError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"mooncake_master did not listen on 127.0.0.1:{rpc_port} within "
+                            f"{MASTER_START_TIMEOUT_S} s: {log_path.read_text()[-2000:]}")
+            time.sleep(0.02)
+
+
+def stop_master(master: Master) -> None:
+    master.process.kill()
+    master.process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Address (``127.0.0.1:port``) of a real ``mooncake_master`` shared by the session."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as e:
+        _unavailable(f"cannot import mooncake.store ({e}); pip install mooncake-transfer-engine-non-cuda")
+    master = start_master(tmp_path_factory.mktemp("mooncake"))
+    yield master.address
+    stop_master(master)
+
+
+@pytest.fixture(scope="session")
+def host_arena() -> torch.Tensor:
+    """One host buffer every test's page views come from (Mooncake registers it once)."""
+    return torch.zeros(ARENA_BYTES, dtype=torch.uint8)
+
+
+@pytest.fixture(scope="session")
+def mooncake_backend(mooncake_master: str, host_arena: torch.Tensor) -> Iterator[StorageBackend]:
+    backend = create_backend("mooncake", master_address=mooncake_master, global_segment_size=64 << 20)
+    backend.register_host_buffer(host_arena)
+    yield backend
+    backend.close()
+
+
+PageFactory = Callable[[int, int], list[torch.Tensor]]
+
+
+@pytest.fixture
+def make_pages(host_arena: torch.Tensor) -> PageFactory:
+    """``make_pages(n, page_bytes)``: ``n`` fresh page views of the arena, filled with 0xEE."""
+    offset = 0
+
+    def make(n: int, page_bytes: int) -> list[torch.Tensor]:
+        nonlocal offset
+        if offset + n * page_bytes > host_arena.numel():
+            raise RuntimeError("test host arena exhausted")
+        block = host_arena[offset : offset + n * page_bytes]
+        offset += n * page_bytes
+        block.fill_(0xEE)
+        return list(block.view(n, page_bytes).unbind(0))
+
+    return make
+
+
+@pytest.fixture(params=["file", "mooncake"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageBackend]:
+    """Each backend, empty, with fresh metrics."""
+    if request.param == "file":
+        yield create_backend("file", root=tmp_path / "l3")
+        return
+    shared = request.getfixturevalue("mooncake_backend")
+    shared.clear()
+    shared.metrics = StorageMetrics()
+    yield shared
+    shared.clear()
