@@ -2,8 +2,8 @@
 
 One kernel serves every case: MHA (K and V buffers) and MLA (one latent buffer), one layer or all
 layers, every host layout, both directions, and both device forms (stacked storage or per-layer
-tensors owned by the runner). Work is cut into tiles of ``BLOCK_T`` tokens x ``BLOCK_W`` words of
-one (buffer, layer); a grid of ``num_programs`` programs walks the tiles grid-stride, so a transfer
+tensors owned by the runner). Work is cut into tiles of ``BLOCK_R`` rows x ``BLOCK_W`` words of
+one (buffer, layer), a row being one power-of-two chunk of one token's item; a grid of ``num_programs`` programs walks the tiles grid-stride, so a transfer
 occupies a bounded number of SMs whatever its size. A tile's loads are all issued before its
 stores: reading host memory is latency-bound and wants many bytes in flight per program.
 
@@ -41,7 +41,7 @@ def _kv_copy_kernel(
     host_ptr,  # word*: the host tensor
     dev_idx_ptr,  # int64 [n_idx]
     host_idx_ptr,  # int64 [n_idx]
-    n_tokens,
+    n_rows,  # tokens x chunks per item
     num_layers,
     layer_start,
     n_sel_layers,
@@ -51,59 +51,56 @@ def _kv_copy_kernel(
     host_s_tok,
     host_s_layer,
     dev_s_slot,  # device slot stride, in vectors
-    item_vecs,
-    n_tiles_t,
-    n_tiles_w,
+    n_tiles_r,
     num_tiles,
     D2H: tl.constexpr,
     TOKENS_PER_INDEX: tl.constexpr,
+    CHUNKS: tl.constexpr,  # BLOCK_W-word chunks per item
     VEC: tl.constexpr,  # words per vector (vector = alignment unit)
     TABLE_SCALE: tl.constexpr,  # vectors per table unit
-    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
-    EVEN_W: tl.constexpr,
 ):
+    # A tile is BLOCK_R rows of one (buffer, layer); row r is chunk r % CHUNKS of logical token
+    # r // CHUNKS, BLOCK_W words wide. Items whose size is not a power of two are cut into equal
+    # power-of-two chunks rather than padded, so no lane is masked off for width.
     i_prog = tl.program_id(0)
     n_prog = tl.num_programs(0)
-    o_t = tl.arange(0, BLOCK_T)
+    o_r = tl.arange(0, BLOCK_R)
     o_w = tl.arange(0, BLOCK_W)
     for i_tile in range(i_prog, num_tiles, n_prog):
-        i_w = i_tile % n_tiles_w
-        i_rest = i_tile // n_tiles_w
-        i_t = i_rest % n_tiles_t
-        i_bl = (i_rest // n_tiles_t).to(tl.int64)
+        i_t = i_tile % n_tiles_r
+        i_bl = (i_tile // n_tiles_r).to(tl.int64)
         i_b = i_bl // n_sel_layers
         i_l = layer_start + i_bl % n_sel_layers
 
-        o_k = i_t * BLOCK_T + o_t
-        m_k = o_k < n_tokens
+        o_row = i_t * BLOCK_R + o_r
+        m_row = o_row < n_rows
+        o_k = o_row // CHUNKS
+        o_c = (o_row % CHUNKS).to(tl.int64)
         if TOKENS_PER_INDEX == 1:
-            b_dev = tl.load(dev_idx_ptr + o_k, mask=m_k, other=-1)
-            b_host = tl.load(host_idx_ptr + o_k, mask=m_k, other=-1)
+            b_dev = tl.load(dev_idx_ptr + o_k, mask=m_row, other=-1)
+            b_host = tl.load(host_idx_ptr + o_k, mask=m_row, other=-1)
         else:
             o_j = o_k // TOKENS_PER_INDEX
-            o_r = o_k % TOKENS_PER_INDEX
-            b_dev = tl.load(dev_idx_ptr + o_j, mask=m_k, other=-1)
-            b_host = tl.load(host_idx_ptr + o_j, mask=m_k, other=-1)
-            b_dev = tl.where(b_dev >= 0, b_dev * TOKENS_PER_INDEX + o_r, -1)
-            b_host = tl.where(b_host >= 0, b_host * TOKENS_PER_INDEX + o_r, -1)
-        m_row = m_k & (b_dev >= 0) & (b_host >= 0)
+            o_in = o_k % TOKENS_PER_INDEX
+            b_dev = tl.load(dev_idx_ptr + o_j, mask=m_row, other=-1)
+            b_host = tl.load(host_idx_ptr + o_j, mask=m_row, other=-1)
+            b_dev = tl.where(b_dev >= 0, b_dev * TOKENS_PER_INDEX + o_in, -1)
+            b_host = tl.where(b_host >= 0, b_host * TOKENS_PER_INDEX + o_in, -1)
+        m_row = m_row & (b_dev >= 0) & (b_host >= 0)
 
         dev_base = tl.load(table_ptr + i_b * num_layers + i_l) * TABLE_SCALE
-        o_dev = dev_base + b_dev * dev_s_slot
+        o_dev = (dev_base + b_dev * dev_s_slot) * VEC + o_c * BLOCK_W
         o_host = (
             i_b * host_s_buf
             + (b_host // page_size) * host_s_page
             + (b_host % page_size) * host_s_tok
             + i_l * host_s_layer
-        )
-        o_col = i_w * BLOCK_W + o_w
-        p_dev = dev_ptr + (o_dev[:, None] * VEC + o_col[None, :])
-        p_host = host_ptr + (o_host[:, None] * VEC + o_col[None, :])
-        if EVEN_W:
-            m = m_row[:, None]
-        else:
-            m = m_row[:, None] & (o_col < item_vecs * VEC)[None, :]
+        ) * VEC + o_c * BLOCK_W
+        p_dev = dev_ptr + (o_dev[:, None] + o_w[None, :])
+        p_host = host_ptr + (o_host[:, None] + o_w[None, :])
+        m = m_row[:, None]
         if D2H:
             b_x = tl.load(p_dev, mask=m, cache_modifier=".cg")
             tl.store(p_host, b_x, mask=m, cache_modifier=".cs")
@@ -123,7 +120,7 @@ class TransferKnobs:
 
     __slots__ = ("num_programs", "tile_bytes", "num_warps")
 
-    def __init__(self, num_programs: int = 4, tile_bytes: int = 32768, num_warps: int = 8) -> None:
+    def __init__(self, num_programs: int = 4, tile_bytes: int = 65536, num_warps: int = 16) -> None:
         if num_programs < 1:
             raise ValueError(f"num_programs must be >= 1, got {num_programs}")
         if tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
@@ -247,16 +244,17 @@ def _launch(
     elem = min(w, 8)
     word = _WORD_DTYPE[elem]
     vec = w // elem
-    item_vecs = host.item_bytes // w
-    item_words = item_vecs * vec
+    item_words = host.item_bytes // elem
 
-    tile_words = max(knobs.tile_bytes // elem, 1)
-    block_w = min(triton.next_power_of_2(item_words), tile_words)
-    block_t = max(1, min(tile_words // block_w, triton.next_power_of_2(n_tokens)))
-    n_tiles_w = triton.cdiv(item_words, block_w)
-    n_tiles_t = triton.cdiv(n_tokens, block_t)
+    # Chunk width: the largest power of two dividing the item, capped by the tile.
+    tile_words = max(knobs.tile_bytes // elem, vec)
+    block_w = min(item_words & -item_words, tile_words)
+    chunks = item_words // block_w
+    n_rows = n_tokens * chunks
+    block_r = max(1, min(tile_words // block_w, triton.next_power_of_2(n_rows)))
+    n_tiles_r = triton.cdiv(n_rows, block_r)
     n_sel = 1 if layer is not None else dev.num_layers
-    num_tiles = dev.num_buffers * n_sel * n_tiles_t * n_tiles_w
+    num_tiles = dev.num_buffers * n_sel * n_tiles_r
     grid = (min(knobs.num_programs, num_tiles),)
 
     def as_words(t: torch.Tensor) -> torch.Tensor:
@@ -268,7 +266,7 @@ def _launch(
         as_words(host.tensor),
         dev_idx,
         host_idx,
-        n_tokens,
+        n_rows,
         dev.num_layers,
         0 if layer is None else layer,
         n_sel,
@@ -278,17 +276,15 @@ def _launch(
         host.stride_token // w,
         host.stride_layer // w,
         dev.item_bytes // w,
-        item_vecs,
-        n_tiles_t,
-        n_tiles_w,
+        n_tiles_r,
         num_tiles,
         D2H=d2h,
         TOKENS_PER_INDEX=tpi,
+        CHUNKS=chunks,
         VEC=vec,
         TABLE_SCALE=dev.table_unit // w,
-        BLOCK_T=block_t,
+        BLOCK_R=block_r,
         BLOCK_W=block_w,
-        EVEN_W=item_words % block_w == 0,
         num_warps=knobs.num_warps,
     )
 
