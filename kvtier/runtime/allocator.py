@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["PageAllocator", "SlotAllocator"]
+__all__ = ["PageAllocator", "SWAPageAllocator", "SlotAllocator"]
 
 
 class PageAllocator:
@@ -147,3 +147,122 @@ class SlotAllocator(PageAllocator):
 
     def __init__(self, size: int, name: str = "slots") -> None:
         super().__init__(size, 1, name)
+
+
+class SWAPageAllocator:
+    """Paired full-attention and sliding-window pools with a full→SWA page translation table.
+
+    Hybrid SWA models keep full-attention KV for every token and SWA KV only for tokens inside
+    the window. Both pools are paged with the same ``page_size``; every full page maps to at most
+    one SWA page (``-1`` = no SWA data, the sentinel), so the SWA slots of a run of full slots are
+    ``swa_page * P + offset``.
+
+    Invariants:
+        - a mapped SWA page is allocated in ``swa`` and mapped from exactly one full page;
+        - every allocated SWA page is mapped (``num_mapped_pages() == swa.used_size() / P``);
+        - a mapped full page is allocated in ``full``.
+
+    ``alloc`` hands out full slots that carry SWA slots (tokens inside the window); ``alloc_full``
+    hands out full slots without SWA (tokens the window has already passed); ``free`` returns full
+    slots and whatever SWA slots they map; ``free_swa`` returns only the SWA slots of tokens that
+    slid out of the window and resets their table entries to the sentinel.
+
+    Args:
+        full_size: full-attention token slots (multiple of ``page_size``).
+        swa_size: SWA token slots (multiple of ``page_size``).
+        page_size: tokens per page, shared by both pools.
+        name: used in error messages; the SWA pool is named ``f"{name} swa"``.
+    """
+
+    def __init__(self, full_size: int, swa_size: int, page_size: int, name: str = "kv") -> None:
+        self.full = PageAllocator(full_size, page_size, name)
+        self.swa = PageAllocator(swa_size, page_size, f"{name} swa")
+        self.size = full_size
+        self.page_size = page_size
+        self.name = name
+        self._page_map = np.full(self.full.num_pages, -1, dtype=np.int64)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def full_available_size(self) -> int:
+        """Free full-attention token slots."""
+        return self.full.available_size()
+
+    def swa_available_size(self) -> int:
+        """Free SWA token slots."""
+        return self.swa.available_size()
+
+    def available_size(self) -> int:
+        """Tokens that can be allocated with SWA data: ``min(full, swa)``."""
+        return min(self.full.available_size(), self.swa.available_size())
+
+    def used_size(self) -> int:
+        """Full-attention token slots handed out."""
+        return self.full.used_size()
+
+    def num_mapped_pages(self) -> int:
+        """Full pages that currently map to an SWA page."""
+        return int((self._page_map >= 0).sum())
+
+    def translate(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """Full slots → SWA slots (``-1`` where a slot has no SWA data), same shape."""
+        s = full_slots.detach().cpu().numpy().astype(np.int64, copy=False)
+        P = self.page_size
+        swa_pages = self._page_map[s // P]
+        out = np.where(swa_pages >= 0, swa_pages * P + s % P, -1)
+        return torch.from_numpy(out)
+
+    # -- alloc / free ------------------------------------------------------------------------
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Full slots for ``num_tokens`` tokens, each page mapped to a fresh SWA page; or None."""
+        if num_tokens % self.page_size:
+            raise ValueError(f"{self.name}: num_tokens={num_tokens} is not page-aligned")
+        n = num_tokens // self.page_size
+        if n > self.full.available_pages() or n > self.swa.available_pages():
+            return None
+        full_pages = self.full.alloc_pages(n)
+        swa_pages = self.swa.alloc_pages(n)
+        assert full_pages is not None and swa_pages is not None
+        self._page_map[full_pages.numpy()] = swa_pages.numpy()
+        return self.full.pages_to_slots(full_pages)
+
+    def alloc_full(self, num_tokens: int) -> torch.Tensor | None:
+        """Full slots without SWA data (table entries stay at the sentinel); or None."""
+        return self.full.alloc(num_tokens)
+
+    def alloc_swa_for(self, full_slots: torch.Tensor) -> bool:
+        """Give SWA pages to allocated full slots that have none. False (nothing taken) if short."""
+        pages = self.full.slots_to_pages(full_slots).numpy()
+        if self._page_map[pages].max(initial=-1) >= 0:
+            raise ValueError(f"{self.name}: alloc_swa_for on full slots that already map SWA")
+        swa_pages = self.swa.alloc_pages(pages.size)
+        if swa_pages is None:
+            return False
+        self._page_map[pages] = swa_pages.numpy()
+        return True
+
+    def free_swa(self, full_slots: torch.Tensor) -> int:
+        """Free the SWA slots mapped by ``full_slots``; returns SWA tokens freed."""
+        pages = self.full.slots_to_pages(full_slots).numpy()
+        swa_pages = self._page_map[pages]
+        mapped = swa_pages >= 0
+        if not mapped.any():
+            return 0
+        self.swa.free_pages(torch.from_numpy(swa_pages[mapped]))
+        self._page_map[pages[mapped]] = -1
+        return int(mapped.sum()) * self.page_size
+
+    def free(self, full_slots: torch.Tensor) -> None:
+        """Free full slots and any SWA slots they map. Raises before freeing anything on a double free."""
+        pages = self.full.slots_to_pages(full_slots).numpy()
+        if pages.size and not self.full._in_use[pages].all():
+            self.full.free_pages(torch.from_numpy(pages))  # raises with the offending page
+        self.free_swa(full_slots)
+        self.full.free_pages(torch.from_numpy(pages))
+
+    def clear(self) -> None:
+        """Return every page of both pools and reset the table."""
+        self.full.clear()
+        self.swa.clear()
+        self._page_map[:] = -1

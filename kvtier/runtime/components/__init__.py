@@ -1,0 +1,18 @@
+"""Tree components: FULL (backbone), SWA (window W) and MAMBA, behind one plug-in interface."""
+
+from __future__ import annotations
+
+from kvtier.runtime.components.base import InsertContext, TreeBooks, TreeComponent, Validator
+from kvtier.runtime.components.full import FullComponent
+from kvtier.runtime.components.mamba import MambaComponent
+from kvtier.runtime.components.swa import SWAComponent
+
+__all__ = [
+    "FullComponent",
+    "InsertContext",
+    "MambaComponent",
+    "SWAComponent",
+    "TreeBooks",
+    "TreeComponent",
+    "Validator",
+]

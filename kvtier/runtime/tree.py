@@ -1,0 +1,579 @@
+"""The unified radix tree: prefix matching and cache books for FULL, SWA and MAMBA components.
+
+The tree maps page-aligned token prefixes to per-component device and host indices. It keeps
+the books only; data copies are the controller's, described by ``Transfer`` records.
+
+Books kept here (all recounted by ``check_integrity``):
+
+    evictable[c] / protected[c]   device amount of component c on nodes with lock[c] == 0 / > 0
+    device_leaves                 FULL-evictable nodes (see ``_is_device_leaf``)
+    host_leaves                   host-evictable nodes (see ``_is_host_leaf``)
+    component LRU lists           per aux component: device LRU and host-only LRU
+
+Pins are reference counts. A device ``lock`` pins FULL on the whole path to the root (a prefix
+is only usable whole), SWA on one window above the node, and MAMBA on the node itself.
+
+This module holds construction, the books, match, insert, split and pins; eviction, host-tier
+operations, request helpers and the integrity check live in sibling modules as mixins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from kvtier.runtime.components import (
+    FullComponent,
+    InsertContext,
+    MambaComponent,
+    SWAComponent,
+    TreeComponent,
+)
+from kvtier.runtime.tree_evict import EvictionMixin
+from kvtier.runtime.tree_integrity import IntegrityMixin
+from kvtier.runtime.tree_node import TreeNode, child_key, match_len, page_align
+from kvtier.runtime.tree_requests import RequestCacheMixin
+from kvtier.runtime.tree_tiers import HostTierMixin
+from kvtier.runtime.tree_types import (
+    HostPinHandle,
+    InsertResult,
+    LockHandle,
+    MatchResult,
+    TreeIntegrityError,
+)
+
+__all__ = ["UnifiedRadixTree"]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, IntegrityMixin):
+    """Radix tree over page-aligned token keys with pluggable per-node components.
+
+    Args:
+        components: FULL first, then any of SWA and MAMBA (at most one each).
+        page_size: tokens per page P; keys are truncated to multiples of P.
+        eviction_policy: ``"lru"`` (last access) or ``"priority"`` (lowest request priority
+            first, then last access).
+        write_back: called with an unbacked device leaf about to be evicted; it must back the
+            node up (``backup`` + the copy) and return True, else the node stays on device.
+            None: unbacked leaves are deleted on eviction.
+        backup_continuity: backups form a root-anchored prefix (write-through policies);
+            ``backup`` then backs up missing ancestors first and the check enforces it.
+
+    Rules callers rely on:
+        - lock ``last_device_node`` before using ``device_indices``; unlock with the handle;
+        - ``insert`` takes ownership of the request's slots at positions >= ``prev_prefix_len``
+          (it frees duplicates itself); the caller frees the unaligned tail.
+    """
+
+    def __init__(
+        self,
+        components: Sequence[TreeComponent],
+        page_size: int,
+        *,
+        eviction_policy: str = "lru",
+        write_back: Callable[[TreeNode], bool] | None = None,
+        backup_continuity: bool = True,
+    ) -> None:
+        if not components or not isinstance(components[0], FullComponent):
+            raise ValueError("components must start with a FullComponent")
+        if eviction_policy not in ("lru", "priority"):
+            raise ValueError(f"eviction_policy must be 'lru' or 'priority', got {eviction_policy!r}")
+        self.components = tuple(components)
+        self.page_size = page_size
+        self.eviction_policy = eviction_policy
+        self.write_back = write_back
+        self.backup_continuity = backup_continuity
+        self.full: FullComponent = components[0]
+        self.swa: SWAComponent | None = None
+        self.mamba: MambaComponent | None = None
+        for slot, comp in enumerate(self.components):
+            comp.attach(self, slot)
+            if isinstance(comp, SWAComponent):
+                if self.swa is not None:
+                    raise ValueError("at most one SWA component")
+                self.swa = comp
+            elif isinstance(comp, MambaComponent):
+                if self.mamba is not None:
+                    raise ValueError("at most one MAMBA component")
+                self.mamba = comp
+            elif slot:
+                raise ValueError(f"unknown component {comp!r} at slot {slot}")
+        self.aux = self.components[1:]
+        self.host_enabled = self.full.host_alloc is not None
+        if any(c.host_alloc is not None for c in self.aux) and not self.host_enabled:
+            raise ValueError("an aux host pool needs a FULL host pool")
+        self.root = self._new_root()
+        self.evictable = [0] * len(self.components)
+        self.protected = [0] * len(self.components)
+        self.device_leaves: set[TreeNode] = set()
+        self.host_leaves: set[TreeNode] = set()
+        self._clock = 0
+
+    def _new_root(self) -> TreeNode:
+        root = TreeNode((), None, len(self.components))
+        root.value[0] = _EMPTY
+        root.lock = [1] * len(self.components)
+        root.priority = -(2**62)
+        return root
+
+    # -- books: components and mixins call these ------------------------------------------------
+
+    def set_device(self, node: TreeNode, slot: int, value: torch.Tensor) -> None:
+        """Give ``node`` device data of component ``slot`` (it had none)."""
+        comp = self.components[slot]
+        node.value[slot] = value
+        amount = comp.amount(node)
+        if node.lock[slot]:
+            self.protected[slot] += amount
+        else:
+            self.evictable[slot] += amount
+        if comp.has_lru:
+            comp.host_lru.pop(node.id, None)
+            comp.device_lru[node.id] = node
+        elif node.parent is not None:
+            self._update_leaf(node)
+            self._update_leaf(node.parent)
+
+    def clear_device(self, node: TreeNode, slot: int) -> int:
+        """Free ``node``'s device data of component ``slot``; returns the amount freed."""
+        comp = self.components[slot]
+        comp.free_device(node)
+        amount = comp.amount(node)
+        if node.lock[slot]:
+            self.protected[slot] -= amount
+        else:
+            self.evictable[slot] -= amount
+        node.value[slot] = None
+        if comp.has_lru:
+            comp.device_lru.pop(node.id, None)
+            if node.host_value[slot] is not None:
+                comp.host_lru[node.id] = node
+        else:
+            self._update_leaf(node)
+            self._update_leaf(node.parent)
+        return amount
+
+    def set_host(self, node: TreeNode, slot: int, host: torch.Tensor) -> None:
+        """Record host indices of component ``slot`` on ``node`` (it had none)."""
+        comp = self.components[slot]
+        node.host_value[slot] = host
+        if comp.has_lru and node.value[slot] is None:
+            comp.host_lru[node.id] = node
+
+    def clear_host(self, node: TreeNode, slot: int) -> int:
+        """Free ``node``'s host data of component ``slot``; returns the amount freed."""
+        comp = self.components[slot]
+        comp.free_host(node)
+        node.host_value[slot] = None
+        if comp.has_lru:
+            comp.host_lru.pop(node.id, None)
+        return comp.amount(node)
+
+    def replace_full(self, node: TreeNode, fresh: torch.Tensor) -> None:
+        """Swap an unpinned node's FULL slots for ``fresh`` ones of the same length."""
+        if node.lock[0]:
+            raise TreeIntegrityError(f"replace_full on pinned {node}")
+        self.full.device_alloc.free(node.value[0])
+        node.value[0] = fresh.clone()
+
+    def inc_lock(self, node: TreeNode, slot: int) -> int:
+        """Add one device pin of component ``slot``; returns the amount newly protected."""
+        if node.lock[slot]:
+            node.lock[slot] += 1
+            return 0
+        amount = self.components[slot].amount(node)
+        self.evictable[slot] -= amount
+        self.protected[slot] += amount
+        node.lock[slot] = 1
+        self.device_leaves.discard(node)
+        return amount
+
+    def dec_lock(self, node: TreeNode, slot: int) -> None:
+        """Drop one device pin of component ``slot``."""
+        count = node.lock[slot] - 1
+        if count < 0:
+            raise TreeIntegrityError(
+                f"unpin of {node} component {self.components[slot].name}: lock count would be {count}"
+            )
+        node.lock[slot] = count
+        if count == 0:
+            amount = self.components[slot].amount(node)
+            self.protected[slot] -= amount
+            self.evictable[slot] += amount
+            self._update_leaf(node)
+
+    def _is_device_leaf(self, node: TreeNode) -> bool:
+        """FULL-evictable: unpinned FULL device data, no child with FULL on device, and either
+        childless or able to keep its host-only children (backed up, or write-back on)."""
+        if node.value[0] is None or node.parent is None or any(node.lock):
+            return False
+        if node.children:
+            for child in node.children.values():
+                if child.value[0] is not None:
+                    return False
+            return node.host_value[0] is not None or self.write_back is not None
+        return True
+
+    def _is_host_leaf(self, node: TreeNode) -> bool:
+        """Host-evictable: evicted, backed up, unpinned on host, childless."""
+        return (
+            node.value[0] is None
+            and node.host_value[0] is not None
+            and not node.children
+            and node.parent is not None
+            and not any(node.host_lock)
+        )
+
+    def _update_leaf(self, node: TreeNode) -> None:
+        if node.parent is None or not node.attached:
+            return
+        if self._is_device_leaf(node):
+            self.device_leaves.add(node)
+        else:
+            self.device_leaves.discard(node)
+        if self._is_host_leaf(node):
+            self.host_leaves.add(node)
+        else:
+            self.host_leaves.discard(node)
+
+    def _touch(self, node: TreeNode) -> list[TreeNode]:
+        """Stamp ``node`` and its ancestors, newest at the bottom; returns the path bottom-up."""
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        t = self._clock + len(path)
+        for x in path:
+            x.last_access = t
+            t -= 1
+        self._clock += len(path) + 1
+        return path
+
+    # -- structure --------------------------------------------------------------------------
+
+    def _child_key(self, node: TreeNode, key: tuple) -> Hashable:
+        return child_key(key, 0, self.page_size, node.namespace, node.parent.parent is None)
+
+    def split(self, node: TreeNode, at: int) -> TreeNode:
+        """Cut ``node`` after ``at`` tokens (page-aligned, inside the key); return the new upper
+        piece. ``node`` keeps its identity and end position as the lower piece."""
+        P = self.page_size
+        if at <= 0 or at >= len(node.key) or at % P:
+            raise ValueError(f"split of {node} at {at}: not a page boundary inside the key")
+        old_parent = node.parent
+        upper = TreeNode(node.key[:at], old_parent, len(self.components), node.namespace)
+        old_parent.children[self._child_key(upper, upper.key)] = upper
+        node.key = node.key[at:]
+        node.parent = upper
+        upper.children[self._child_key(node, node.key)] = node
+        upper.last_access = node.last_access
+        upper.hit_count = node.hit_count
+        upper.priority = node.priority
+        if node.page_hashes is not None:
+            upper.page_hashes = node.page_hashes[: at // P]
+            node.page_hashes = node.page_hashes[at // P :]
+        for comp in self.components:
+            comp.split(upper, node, at)
+        self._update_leaf(upper)
+        return upper
+
+    def _add_leaf(self, parent: TreeNode, key: tuple, value: torch.Tensor, namespace: Hashable) -> TreeNode:
+        leaf = TreeNode(key, parent, len(self.components), namespace)
+        parent.children[self._child_key(leaf, key)] = leaf
+        self.set_device(leaf, 0, value.clone())
+        return leaf
+
+    def _detach(self, node: TreeNode) -> None:
+        """Remove a node with no device data and no children from the tree; keeps ``parent`` so
+        that a handle on it can still walk up."""
+        parent = node.parent
+        del parent.children[self._child_key(node, node.key)]
+        node.attached = False
+        self.device_leaves.discard(node)
+        self.host_leaves.discard(node)
+        for comp in self.aux:
+            comp.device_lru.pop(node.id, None)
+            comp.host_lru.pop(node.id, None)
+        self._update_leaf(parent)
+
+    # -- match ------------------------------------------------------------------------------
+
+    def match_prefix(
+        self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None, *, read_only: bool = False
+    ) -> MatchResult:
+        """Longest usable cached prefix of ``token_ids`` (truncated to whole pages).
+
+        A partial match on a node (device or host-only) splits it so the boundary is a node.
+        ``read_only=True`` never splits and never refreshes LRU order: it stops before a
+        partially matched node, so its lengths are a lower bound of a regular match.
+        """
+        P = self.page_size
+        tokens = page_align(token_ids, P)
+        root = self.root
+        if not tokens:
+            return MatchResult(_EMPTY, root, root)
+        comps = self.components
+        dev_validators = [c.validator(True) for c in comps]
+        any_validators = [c.validator(False) for c in comps] if self.host_enabled else None
+        node, pos, total = root, 0, len(tokens)
+        values: list[torch.Tensor] = []
+        best = best_dev = root
+        n_dev_values = 0
+        ck = (namespace, tokens[0] if P == 1 else tokens[:P])
+        while True:
+            child = node.children.get(ck)
+            if child is None:
+                break
+            klen = len(child.key)
+            n = match_len(child.key, tokens, pos, P)
+            if n < klen:
+                if read_only:
+                    break
+                child = self.split(child, n)
+            value = child.value[0]
+            if value is not None:
+                values.append(value)
+            # Every validator sees every node: they are stateful (SWA counts a window).
+            dev_ok = all([v(child, n) for v in dev_validators])
+            if any_validators is None:
+                if dev_ok:
+                    best = best_dev = child
+                    n_dev_values = len(values)
+            else:
+                if all([v(child, n) for v in any_validators]):
+                    best = child
+                if dev_ok:
+                    best_dev = child
+                    n_dev_values = len(values)
+            node = child
+            pos += n
+            if n < klen or pos >= total:
+                break
+            ck = tokens[pos] if P == 1 else tokens[pos : pos + P]
+        if n_dev_values == 0:
+            indices = _EMPTY
+        elif n_dev_values == 1:
+            indices = values[0].clone()
+        else:
+            indices = torch.cat(values[:n_dev_values])
+        if not read_only and best is not root:
+            path = self._touch(best)
+            for comp in self.aux:
+                comp.refresh(path)
+        if any_validators is None or best is best_dev:
+            return MatchResult(indices, best_dev, best)
+        hits = [c.finalize_match(best, best_dev) for c in comps]
+        swa_hit = hits[self.swa.slot] if self.swa is not None else 0
+        mamba_hit = hits[self.mamba.slot] if self.mamba is not None else 0
+        return MatchResult(indices, best_dev, best, hits[0], swa_hit, mamba_hit)
+
+    # -- insert -----------------------------------------------------------------------------
+
+    def insert(
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        value: torch.Tensor,
+        *,
+        prev_prefix_len: int = 0,
+        swa_evicted_seqlen: int = 0,
+        mamba_value: torch.Tensor | None = None,
+        priority: int = 0,
+        namespace: Hashable = None,
+        unfinished: bool = False,
+    ) -> InsertResult:
+        """Cache ``token_ids`` (truncated to whole pages) with FULL slots ``value``.
+
+        Args:
+            value: int64 ``[>= aligned len]`` FULL slots of the request, one per token.
+            prev_prefix_len: the request's protected prefix (slots it got from the tree); slots
+                at or past it that duplicate tree data are freed here, exactly once.
+            swa_evicted_seqlen: page-aligned; the request's slots below it have no SWA data.
+            mamba_value: one-slot tensor: the request's state at the end of the key.
+            unfinished: the request keeps running (``cache_unfinished_req``); an SWA tombstone
+                that cannot take its slots stops the insert and the request keeps them.
+
+        Evicted (host-only) nodes on the path take the request's slots back ("unevict").
+        """
+        P = self.page_size
+        if swa_evicted_seqlen % P:
+            raise ValueError(f"swa_evicted_seqlen={swa_evicted_seqlen} is not a multiple of P={P}")
+        tokens = page_align(token_ids, P)
+        total = len(tokens)
+        if value.numel() < total:
+            raise ValueError(f"value has {value.numel()} slots for {total} tokens")
+        ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished)
+        node, pos = self.root, 0
+        aux = self.aux
+        while pos < total:
+            child = node.children.get(child_key(tokens, pos, P, namespace, node is self.root))
+            if child is None:
+                break
+            n = match_len(child.key, tokens, pos, P)
+            if n < len(child.key):
+                child = self.split(child, n)
+            for comp in aux:
+                cut = comp.insert_split_point(child, pos, n, ctx)
+                if cut is not None:
+                    child = self.split(child, cut)
+                    n = cut
+            if priority > child.priority:
+                child.priority = priority
+            fresh = value[pos : pos + n]
+            if child.value[0] is None:
+                if pos < prev_prefix_len:
+                    raise TreeIntegrityError(f"{child} is evicted inside the protected prefix")
+                self.set_device(child, 0, fresh.clone())
+                for comp in aux:
+                    comp.on_unevict(child, pos, fresh, ctx)
+            else:
+                consumed = n
+                for comp in aux:
+                    consumed = min(consumed, comp.on_insert_overlap(child, pos, n, fresh, ctx))
+                if ctx.keep_from is not None:
+                    break
+                dup = max(0, prev_prefix_len - pos)
+                if dup < consumed:
+                    self.full.device_alloc.free(fresh[dup:consumed])
+            child.hit_count += 1
+            node = child
+            pos += n
+        prefix_len = pos
+        new_leaf = pos < total and ctx.keep_from is None
+        if new_leaf:
+            node = self._add_leaf(node, tokens[pos:], value[pos:total], namespace)
+            node.priority = priority
+        if node is not self.root and ctx.keep_from is None:
+            for comp in aux:
+                node = comp.commit_insert(node, new_leaf, ctx)
+        if node is not self.root:
+            path = self._touch(node)
+            for comp in aux:
+                comp.refresh(path)
+        cached = total if ctx.keep_from is None else ctx.keep_from
+        return InsertResult(prefix_len, total, cached, node, ctx.mamba_exist, ctx.mamba_adopted)
+
+    # -- device pins ------------------------------------------------------------------------
+
+    def lock(self, node: TreeNode) -> LockHandle:
+        """Pin ``node`` against device eviction; pass the handle back to ``unlock``.
+
+        FULL is pinned on every device node from ``node`` to the root; evicted nodes at the
+        bottom are skipped (recorded as ``full_end``). SWA is pinned on one window above
+        ``node``, MAMBA on ``node`` itself.
+        """
+        if node.parent is None:
+            return LockHandle(node, 0, 0)
+        x = node
+        while x.parent is not None and x.value[0] is None:
+            x = x.parent
+        full_end, delta = x.end, 0
+        while x.parent is not None:
+            delta += self.inc_lock(x, 0)
+            x = x.parent
+        swa_boundary, swa_skipped = None, ()
+        if self.swa is not None:
+            swa_boundary, swa_skipped = self._pin_window(node, device=True)
+        mamba = False
+        if self.mamba is not None and node.value[self.mamba.slot] is not None:
+            self.inc_lock(node, self.mamba.slot)
+            mamba = True
+        return LockHandle(node, node.end, full_end, swa_boundary, swa_skipped, mamba, delta)
+
+    def unlock(self, handle: LockHandle) -> None:
+        """Release every pin ``handle`` holds."""
+        handle = self.unlock_swa(handle)
+        x = handle.node
+        while x.parent is not None:
+            if x.end <= handle.full_end:
+                self.dec_lock(x, 0)
+            x = x.parent
+
+    def unlock_swa(self, handle: LockHandle) -> LockHandle:
+        """Release the SWA window pin early (decode moved past it); the FULL pin stays.
+
+        The Mamba pin goes too: it is only useful with the window, and a pinned Mamba state
+        under an unpinned SWA node would strand the SWA eviction cascade.
+        """
+        if handle.swa_boundary is not None:
+            self._unpin_window(handle.node, handle.swa_boundary, handle.swa_skipped, device=True)
+        if handle.mamba:
+            self.dec_lock(handle.node, self.mamba.slot)
+        if handle.swa_boundary is None and not handle.mamba:
+            return handle
+        return dataclasses.replace(handle, swa_boundary=None, swa_skipped=(), mamba=False)
+
+    def _pin_window(self, node: TreeNode, device: bool) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """Pin SWA data (device or host) on nodes above ``node`` until ``window`` tokens are
+        covered; returns the boundary position and the skipped (data-less) ranges."""
+        s, window = self.swa.slot, self.swa.window
+        covered, skipped = 0, []
+        x = node
+        while x.parent is not None and covered < window:
+            if (x.value[s] if device else x.host_value[s]) is None:
+                skipped.append((x.start, x.end))
+            else:
+                if device:
+                    self.inc_lock(x, s)
+                else:
+                    self.inc_host_lock(x, s)
+                covered += len(x.key)
+            x = x.parent
+        return x.end, tuple(skipped)
+
+    def _unpin_window(
+        self, node: TreeNode, boundary: int, skipped: tuple[tuple[int, int], ...], device: bool
+    ) -> None:
+        s = self.swa.slot
+        x = node
+        while x.end > boundary:
+            if not any(lo <= x.start and x.end <= hi for lo, hi in skipped):
+                if device:
+                    self.dec_lock(x, s)
+                else:
+                    self.dec_host_lock(x, s)
+            x = x.parent
+
+    # -- host pins --------------------------------------------------------------------------
+
+    def inc_host_lock(self, node: TreeNode, slot: int) -> None:
+        node.host_lock[slot] += 1
+        self.host_leaves.discard(node)
+
+    def dec_host_lock(self, node: TreeNode, slot: int) -> None:
+        count = node.host_lock[slot] - 1
+        if count < 0:
+            raise TreeIntegrityError(
+                f"host unpin of {node} component {self.components[slot].name}: count would be {count}"
+            )
+        node.host_lock[slot] = count
+        if count == 0:
+            self._update_leaf(node)
+
+    def pin_host(self, node: TreeNode) -> HostPinHandle:
+        """Pin ``node``'s host data (FULL and MAMBA on the node, SWA over one window) against
+        host eviction, e.g. for an in-flight load-back or storage write."""
+        if node.parent is None:
+            return HostPinHandle(node, 0)
+        full = node.host_value[0] is not None
+        if full:
+            self.inc_host_lock(node, 0)
+        swa_boundary, swa_skipped = None, ()
+        if self.swa is not None:
+            swa_boundary, swa_skipped = self._pin_window(node, device=False)
+        mamba = self.mamba is not None and node.host_value[self.mamba.slot] is not None
+        if mamba:
+            self.inc_host_lock(node, self.mamba.slot)
+        return HostPinHandle(node, node.end, full, swa_boundary, swa_skipped, mamba)
+
+    def unpin_host(self, handle: HostPinHandle) -> None:
+        """Release every host pin ``handle`` holds."""
+        if handle.full:
+            self.dec_host_lock(handle.node, 0)
+        if handle.swa_boundary is not None:
+            self._unpin_window(handle.node, handle.swa_boundary, handle.swa_skipped, device=False)
+        if handle.mamba:
+            self.dec_host_lock(handle.node, self.mamba.slot)

@@ -1,0 +1,176 @@
+"""Device and host eviction for ``UnifiedRadixTree`` (a mixin; the books live in tree.py).
+
+Order and rules:
+
+- FULL device eviction pops a min-heap over the evictable device leaves, keyed by last access
+  (``lru``) or by (priority, last access) (``priority``); a parent that becomes a leaf is pushed.
+  A leaf goes with all its components at once: a backed-up leaf is demoted (device data freed,
+  host data kept); an unbacked one is deleted, unless a ``write_back`` hook is set, in which case
+  it is backed up first and stays on device if that fails.
+- SWA and MAMBA device eviction scan their device LRU, oldest first, skipping pinned nodes. A
+  device leaf is evicted whole; on any other node only this component's data is tombstoned,
+  together with co-located components of lower cascade priority (FULL 2 > SWA 1 > MAMBA 0). A
+  pinned lower-priority component there is a stranded pin and raises.
+- Host eviction mirrors this: FULL pops host leaves (evicted, backed up, childless, unpinned) and
+  deletes them; SWA and MAMBA scan their host-only LRU.
+
+Empty tombstones cannot arise: every node keeps FULL data on some tier until it is deleted, and
+a deleted node is always a leaf, so no upward cleanup pass is needed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from kvtier.runtime.tree_types import EvictResult, TreeIntegrityError
+
+if TYPE_CHECKING:
+    from kvtier.runtime.components import TreeComponent
+    from kvtier.runtime.tree import UnifiedRadixTree
+    from kvtier.runtime.tree_node import TreeNode
+
+__all__ = ["EvictionMixin"]
+
+
+class EvictionMixin:
+    """Eviction methods of ``UnifiedRadixTree``."""
+
+    def evict(self: UnifiedRadixTree, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
+        """Free at least the requested device amounts where unpinned data allows.
+
+        Args:
+            full: FULL tokens; swa: SWA tokens; mamba: Mamba slots.
+        Returns:
+            device amounts freed per component (demoted data counts as freed).
+        """
+        freed = [0] * len(self.components)
+        if full > 0:
+            self._evict_full_device(full, freed)
+        if swa > 0 and self.swa is not None:
+            self._evict_aux_device(self.swa, swa, freed)
+        if mamba > 0 and self.mamba is not None:
+            self._evict_aux_device(self.mamba, mamba, freed)
+        return self._evict_result(freed)
+
+    def evict_host(self: UnifiedRadixTree, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
+        """Free at least the requested host amounts where unpinned host data allows."""
+        freed = [0] * len(self.components)
+        if full > 0:
+            self._evict_full_host(full, freed)
+        if swa > 0 and self.swa is not None:
+            self._evict_aux_host(self.swa, swa, freed)
+        if mamba > 0 and self.mamba is not None:
+            self._evict_aux_host(self.mamba, mamba, freed)
+        return self._evict_result(freed)
+
+    def _evict_result(self: UnifiedRadixTree, freed: list[int]) -> EvictResult:
+        swa = freed[self.swa.slot] if self.swa is not None else 0
+        mamba = freed[self.mamba.slot] if self.mamba is not None else 0
+        return EvictResult(freed[0], swa, mamba)
+
+    def _leaf_order(self: UnifiedRadixTree, node: TreeNode) -> tuple:
+        if self.eviction_policy == "priority":
+            return (node.priority, node.last_access, node.id)
+        return (node.last_access, node.id)
+
+    # -- device --------------------------------------------------------------------------------
+
+    def _evict_full_device(self: UnifiedRadixTree, target: int, freed: list[int]) -> None:
+        heap = [(self._leaf_order(n), n) for n in self.device_leaves]
+        heapq.heapify(heap)
+        while freed[0] < target and heap:
+            _, node = heapq.heappop(heap)
+            if node not in self.device_leaves:
+                continue  # already gone, or pinned since the heap was built
+            parent = node.parent
+            if self._evict_device_leaf(node, freed) and parent in self.device_leaves:
+                heapq.heappush(heap, (self._leaf_order(parent), parent))
+
+    def _evict_device_leaf(self: UnifiedRadixTree, node: TreeNode, freed: list[int]) -> bool:
+        """Evict a device leaf with all components; False if it must stay (write-back failed)."""
+        if node.host_value[0] is None and self.write_back is not None:
+            # Never demote data that has no host copy (#27108): a failed backup keeps the node.
+            if not self.write_back(node) or node.host_value[0] is None:
+                return False
+        for comp in reversed(self.aux):
+            if node.value[comp.slot] is not None:
+                freed[comp.slot] += self.clear_device(node, comp.slot)
+        freed[0] += self.clear_device(node, 0)
+        if node.host_value[0] is None:
+            if node.children:
+                raise TreeIntegrityError(f"deleting unbacked {node} that has children")
+            self._detach(node)
+        return True
+
+    def _evict_aux_device(
+        self: UnifiedRadixTree, comp: TreeComponent, target: int, freed: list[int]
+    ) -> None:
+        s = comp.slot
+        for node in list(comp.device_lru.values()):
+            if freed[s] >= target:
+                break
+            if node.value[s] is None or node.lock[s] or not node.attached:
+                continue
+            if node in self.device_leaves and self._evict_device_leaf(node, freed):
+                continue
+            self._tombstone(node, comp, freed, host=False)
+
+    def _tombstone(
+        self: UnifiedRadixTree, node: TreeNode, comp: TreeComponent, freed: list[int], host: bool
+    ) -> None:
+        """Drop ``comp``'s data on one tier of ``node`` and cascade to lower-priority components."""
+        victims = []
+        for other in self.aux:
+            if other.internal_priority > comp.internal_priority:
+                continue
+            data = node.host_value if host else node.value
+            if data[other.slot] is None:
+                continue
+            pins = node.host_lock if host else node.lock
+            if pins[other.slot]:
+                raise TreeIntegrityError(
+                    f"stranded {'host ' if host else ''}pin: {other.name} is pinned "
+                    f"({pins[other.slot]}) on {node} while its {comp.name} data is evicted"
+                )
+            victims.append(other.slot)
+        for slot in victims:
+            if host:
+                freed[slot] += self.clear_host(node, slot)
+            else:
+                freed[slot] += self.clear_device(node, slot)
+
+    # -- host ----------------------------------------------------------------------------------
+
+    def _evict_full_host(self: UnifiedRadixTree, target: int, freed: list[int]) -> None:
+        heap = [(self._leaf_order(n), n) for n in self.host_leaves]
+        heapq.heapify(heap)
+        while freed[0] < target and heap:
+            _, node = heapq.heappop(heap)
+            if node not in self.host_leaves:
+                continue
+            parent = node.parent
+            self._evict_host_leaf(node, freed)
+            if parent in self.host_leaves:
+                heapq.heappush(heap, (self._leaf_order(parent), parent))
+
+    def _evict_host_leaf(self: UnifiedRadixTree, node: TreeNode, freed: list[int]) -> None:
+        for comp in self.components:
+            if node.host_value[comp.slot] is not None:
+                freed[comp.slot] += self.clear_host(node, comp.slot)
+        self._detach(node)
+
+    def _evict_aux_host(
+        self: UnifiedRadixTree, comp: TreeComponent, target: int, freed: list[int]
+    ) -> None:
+        s = comp.slot
+        for node in list(comp.host_lru.values()):
+            if freed[s] >= target:
+                break
+            if node.host_value[s] is None or node.host_lock[s] or not node.attached:
+                continue
+            if node in self.host_leaves:
+                self._evict_host_leaf(node, freed)
+            else:
+                self._tombstone(node, comp, freed, host=True)
+

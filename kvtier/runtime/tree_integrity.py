@@ -1,0 +1,180 @@
+"""``check_integrity``: walk the whole tree, recount every book and every pool, raise with numbers.
+
+Checks behaviour.md §2.10 (1–8; 9 belongs to the controller) and slot conservation:
+for every pool, ``allocator used == tree-owned + request-owned`` and no slot is owned twice.
+It costs O(tree); tests call it after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.runtime.tree_types import TreeIntegrityError
+
+if TYPE_CHECKING:
+    from kvtier.runtime.tree import UnifiedRadixTree
+    from kvtier.runtime.tree_node import TreeNode
+
+__all__ = ["IntegrityMixin"]
+
+
+def _fail(msg: str) -> None:
+    raise TreeIntegrityError(msg)
+
+
+class IntegrityMixin:
+    """The integrity check of ``UnifiedRadixTree``."""
+
+    def all_nodes(self: UnifiedRadixTree) -> list[TreeNode]:
+        """Every node reachable from the root, root first."""
+        nodes, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
+
+    def check_integrity(self: UnifiedRadixTree, request_owned: Mapping[str, int] | None = None) -> None:
+        """Raise ``TreeIntegrityError`` naming the first broken invariant, with the numbers.
+
+        Args:
+            request_owned: slots held by running requests per pool name (``"kv"``, ``"swa"``,
+                ``"mamba"``); missing pools count 0.
+        """
+        request_owned = request_owned or {}
+        root = self.root
+        if root.value[0] is None or root.lock[0] < 1 or root.key != ():
+            _fail(f"root broken: value={root.value[0]}, lock={root.lock[0]}, key={root.key}")
+        nodes = self.all_nodes()
+        reachable = set(nodes)
+        n_comp = len(self.components)
+        evictable, protected = [0] * n_comp, [0] * n_comp
+        device_owned = [[] for _ in range(n_comp)]
+        host_owned = [[] for _ in range(n_comp)]
+        for node in nodes[1:]:
+            self._check_node(node, evictable, protected, device_owned, host_owned)
+        for slot, comp in enumerate(self.components):
+            if (evictable[slot], protected[slot]) != (self.evictable[slot], self.protected[slot]):
+                _fail(
+                    f"{comp.name}: evictable/protected books {self.evictable[slot]}/"
+                    f"{self.protected[slot]} != recount {evictable[slot]}/{protected[slot]}"
+                )
+        for name, leaves in (("device", self.device_leaves), ("host", self.host_leaves)):
+            stray = [n for n in leaves if n not in reachable]
+            if stray:
+                _fail(f"{len(stray)} unreachable nodes in the {name} leaf set, e.g. {stray[0]}")
+        if self.device_leaves & self.host_leaves:
+            _fail(f"{len(self.device_leaves & self.host_leaves)} nodes in both leaf sets")
+        for comp in self.aux:
+            for name, lru in (("device", comp.device_lru), ("host", comp.host_lru)):
+                stray = [n for n in lru.values() if n not in reachable]
+                if stray:
+                    _fail(f"{comp.name}: {len(stray)} unreachable nodes in the {name} LRU, e.g. {stray[0]}")
+        self._check_pools(device_owned, host_owned, request_owned)
+
+    def _check_node(
+        self: UnifiedRadixTree,
+        node: TreeNode,
+        evictable: list[int],
+        protected: list[int],
+        device_owned: list[list[torch.Tensor]],
+        host_owned: list[list[torch.Tensor]],
+    ) -> None:
+        parent, P = node.parent, self.page_size
+        if not node.attached or parent.children.get(self._child_key(node, node.key)) is not node:
+            _fail(f"{node}: not linked from its parent {parent}")
+        if not node.key or len(node.key) % P:
+            _fail(f"{node}: key length {len(node.key)} is not a positive multiple of P={P}")
+        if node.end != parent.end + len(node.key):
+            _fail(f"{node}: end {node.end} != parent end {parent.end} + {len(node.key)}")
+        if node.value[0] is None and node.host_value[0] is None:
+            _fail(f"{node}: no FULL data on any tier")
+        if node.value[0] is not None and parent.value[0] is None:
+            _fail(f"{node}: on device under evicted parent {parent}")
+        if (
+            self.backup_continuity
+            and node.host_value[0] is not None
+            and parent.parent is not None
+            and parent.host_value[0] is None
+        ):
+            _fail(f"{node}: backed up under unbacked parent {parent}")
+        for comp in self.components:
+            s = comp.slot
+            dev, host = node.value[s], node.host_value[s]
+            lock, host_lock = node.lock[s], node.host_lock[s]
+            amount = comp.amount(node)
+            if s and dev is not None and node.value[0] is None:
+                _fail(f"{node}: {comp.name} on device without FULL on device")
+            if s and host is not None and node.host_value[0] is None:
+                _fail(f"{node}: {comp.name} on host without FULL on host")
+            if lock < 0 or host_lock < 0 or lock > node.lock[0]:
+                _fail(f"{node}: {comp.name} pins {lock}/{host_lock} (FULL pin {node.lock[0]})")
+            if (lock and dev is None) or (host_lock and host is None):
+                _fail(f"{node}: {comp.name} pinned ({lock}/{host_lock}) without data on that tier")
+            for tier, data, owned in (("device", dev, device_owned), ("host", host, host_owned)):
+                if data is not None:
+                    if data.numel() != amount:
+                        _fail(f"{node}: {comp.name} {tier} has {data.numel()} slots, expected {amount}")
+                    owned[s].append(data)
+            if dev is not None:
+                if lock:
+                    protected[s] += amount
+                else:
+                    evictable[s] += amount
+            if comp.has_lru:
+                in_dev, in_host = node.id in comp.device_lru, node.id in comp.host_lru
+                if in_dev != (dev is not None) or in_host != (dev is None and host is not None):
+                    _fail(
+                        f"{node}: {comp.name} LRU membership device={in_dev} host={in_host} "
+                        f"for data device={dev is not None} host={host is not None}"
+                    )
+        if self.swa is not None and node.value[self.swa.slot] is not None:
+            expect = self.swa.swa_alloc.translate(node.value[0])
+            if not torch.equal(expect, node.value[self.swa.slot]):
+                _fail(f"{node}: SWA slots differ from the translation of its FULL slots")
+        if (node in self.device_leaves) != self._is_device_leaf(node):
+            _fail(f"{node}: device leaf set membership {node in self.device_leaves} is stale")
+        if (node in self.host_leaves) != self._is_host_leaf(node):
+            _fail(f"{node}: host leaf set membership {node in self.host_leaves} is stale")
+
+    def _check_pools(
+        self: UnifiedRadixTree,
+        device_owned: list[list[torch.Tensor]],
+        host_owned: list[list[torch.Tensor]],
+        request_owned: Mapping[str, int],
+    ) -> None:
+        kv = self.full.device_alloc
+        for comp in self.components:
+            s = comp.slot
+            for tier, owned, alloc in (
+                ("device", device_owned[s], comp.device_alloc),
+                ("host", host_owned[s], comp.host_alloc),
+            ):
+                if alloc is None:
+                    continue
+                slots = torch.cat(owned) if owned else torch.empty(0, dtype=torch.int64)
+                if torch.unique(slots).numel() != slots.numel():
+                    _fail(f"{comp.name} {tier}: a slot is owned by two nodes")
+                pages = alloc
+                if tier == "device" and comp is self.swa:
+                    pages = kv.swa
+                elif tier == "device" and comp is self.full and self.swa is not None:
+                    pages = kv.full
+                if slots.numel() and not bool(pages.is_allocated(slots).all()):
+                    _fail(f"{comp.name} {tier}: the tree owns slots its allocator has free")
+                if comp is self.swa and tier == "device":
+                    used = kv.swa.used_size()
+                    if kv.num_mapped_pages() * self.page_size != used:
+                        _fail(f"swa: {kv.num_mapped_pages()} mapped pages but {used} slots in use")
+                else:
+                    used = alloc.used_size()
+                requests = request_owned.get(comp.name, 0) if tier == "device" else 0
+                if used != slots.numel() + requests:
+                    _fail(
+                        f"{comp.name} {tier}: allocator has {used} slots in use, tree owns "
+                        f"{slots.numel()}, requests own {requests} (leak or double free of "
+                        f"{used - slots.numel() - requests})"
+                    )

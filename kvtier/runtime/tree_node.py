@@ -1,0 +1,131 @@
+"""Radix tree nodes and page-aligned keys.
+
+A key is a tuple of token ids, truncated to whole pages of ``P`` tokens. Children are found by
+their first page: the child-dict key is ``key[:P]`` as a tuple (one token id, as an int, when
+P = 1). Under the root the namespace (LoRA id, cache salt) is part of the child key, so two
+namespaces never share a node; below the root every node inherits its namespace.
+
+Per-component data lives in parallel lists indexed by the component's slot (FULL is slot 0):
+
+    value[c]      device indices (int64 tensor) or None (tombstone / evicted)
+    host_value[c] host indices or None (not backed up)
+    lock[c]       device pin count
+    host_lock[c]  host pin count
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+
+import torch
+
+__all__ = ["TreeNode", "child_key", "match_len", "page_align"]
+
+_ids = itertools.count()
+
+
+class TreeNode:
+    """One edge of the radix tree with the data of every component for its tokens.
+
+    Invariants (checked by ``UnifiedRadixTree.check_integrity``): ``end`` equals the parent's
+    ``end`` plus ``len(key)``; a non-root node has FULL data on device or host; a node keeps its
+    identity when split (the new node is the upper piece), so ``end`` of a node never changes.
+    """
+
+    __slots__ = (
+        "id",
+        "key",
+        "namespace",
+        "parent",
+        "children",
+        "end",
+        "value",
+        "host_value",
+        "lock",
+        "host_lock",
+        "last_access",
+        "hit_count",
+        "priority",
+        "page_hashes",
+        "attached",
+    )
+
+    def __init__(
+        self,
+        key: tuple,
+        parent: TreeNode | None,
+        num_components: int,
+        namespace: Hashable = None,
+    ) -> None:
+        self.id = next(_ids)
+        self.key = key
+        self.namespace = namespace
+        self.parent = parent
+        self.children: dict[Hashable, TreeNode] = {}
+        self.end = (parent.end if parent is not None else 0) + len(key)
+        self.value: list[torch.Tensor | None] = [None] * num_components
+        self.host_value: list[torch.Tensor | None] = [None] * num_components
+        self.lock = [0] * num_components
+        self.host_lock = [0] * num_components
+        self.last_access = 0
+        self.hit_count = 0
+        self.priority = 0
+        self.page_hashes: list[str] | None = None
+        self.attached = True
+
+    @property
+    def start(self) -> int:
+        """Token position where this node's key begins."""
+        return self.end - len(self.key)
+
+    @property
+    def evicted(self) -> bool:
+        """FULL has no device data (the node may still be backed up on host)."""
+        return self.value[0] is None
+
+    @property
+    def backed_up(self) -> bool:
+        """FULL has host data."""
+        return self.host_value[0] is not None
+
+    def __lt__(self, other: TreeNode) -> bool:
+        return self.id < other.id
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, tokens=[{self.start}, {self.end}), children={len(self.children)})"
+
+
+def page_align(tokens: Sequence[int] | torch.Tensor, page_size: int) -> tuple:
+    """Token ids as a tuple, truncated to a multiple of ``page_size``."""
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.tolist()
+    n = len(tokens) // page_size * page_size
+    if isinstance(tokens, tuple):
+        return tokens if n == len(tokens) else tokens[:n]
+    return tuple(tokens[:n])
+
+
+def child_key(tokens: tuple, pos: int, page_size: int, namespace: Hashable, at_root: bool) -> Hashable:
+    """The child-dict key of the page starting at ``pos``."""
+    page = tokens[pos] if page_size == 1 else tokens[pos : pos + page_size]
+    return (namespace, page) if at_root else page
+
+
+def match_len(key: tuple, tokens: tuple, pos: int, page_size: int) -> int:
+    """Length (a multiple of ``page_size``) of the common prefix of ``key`` and ``tokens[pos:]``."""
+    n = min(len(key), len(tokens) - pos)
+    n -= n % page_size
+    if key[:n] == tokens[pos : pos + n]:
+        return n
+    # Divergence: bisect on page count; slices compare in C, so this is O(n log n / P) work
+    # done only where a node is split.
+    lo, hi = 0, n // page_size  # pages [0, lo) match; page hi - 1 ... unknown
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        m = mid * page_size
+        if key[:m] == tokens[pos : pos + m]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * page_size

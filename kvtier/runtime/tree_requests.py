@@ -1,0 +1,137 @@
+"""Request-level helpers of ``UnifiedRadixTree``: cache a finished or a running request.
+
+A request owns the FULL slots ``kv_slots[cache_protected_len:]`` (whole pages) and, optionally,
+one Mamba slot; positions below ``cache_protected_len`` hold tree-owned slots it matched and
+pinned with ``lock``. Caching hands the page-aligned part to the tree and frees the rest:
+
+    [0, protected)        tree-owned, pinned by req.lock      untouched
+    [protected, aligned)  request-owned, inserted             tree keeps them or frees duplicates
+    [aligned, len(row))   request-owned, unaligned tail       freed (finished requests only)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.runtime.tree_types import InsertResult, LockHandle
+
+if TYPE_CHECKING:
+    from kvtier.runtime.tree import UnifiedRadixTree
+
+__all__ = ["CacheRequest", "RequestCacheMixin"]
+
+
+@dataclass
+class CacheRequest:
+    """The cache state of one request, as a scheduler keeps it.
+
+    Attributes:
+        token_ids: tokens whose KV is computed (prompt and output so far).
+        kv_slots: int64 FULL slots; the first ``len(token_ids)`` are the tokens' slots, and the
+            row covers whole pages (its length is a multiple of P).
+        cache_protected_len: leading tokens whose slots belong to the tree.
+        lock: pin on the node ending at ``cache_protected_len`` (None: nothing pinned).
+        swa_evicted_seqlen: page-aligned; the request's SWA data below it was freed.
+        mamba_slot: one-slot tensor with the request's live Mamba state, or None.
+        namespace, priority: as in ``insert``.
+    """
+
+    token_ids: list[int]
+    kv_slots: torch.Tensor
+    cache_protected_len: int = 0
+    lock: LockHandle | None = None
+    swa_evicted_seqlen: int = 0
+    mamba_slot: torch.Tensor | None = None
+    namespace: Hashable = None
+    priority: int = 0
+    last_insert: InsertResult | None = field(default=None, repr=False)
+
+
+class RequestCacheMixin:
+    """``cache_finished_req``, ``cache_unfinished_req`` and ``free_out_of_window``."""
+
+    def cache_finished_req(self: UnifiedRadixTree, req: CacheRequest, is_insert: bool = True) -> None:
+        """Insert the request's page-aligned tokens, free what the tree does not keep, release
+        its pin and its Mamba slot (unless the tree adopted it). ``is_insert=False`` frees
+        every request-owned slot instead."""
+        kv = self.full.device_alloc
+        protected = req.cache_protected_len
+        aligned = len(req.token_ids) // self.page_size * self.page_size
+        if is_insert and aligned >= protected:
+            res = self.insert(
+                req.token_ids[:aligned],
+                req.kv_slots[:aligned],
+                prev_prefix_len=protected,
+                swa_evicted_seqlen=min(req.swa_evicted_seqlen, aligned),
+                mamba_value=req.mamba_slot,
+                priority=req.priority,
+                namespace=req.namespace,
+            )
+            req.last_insert = res
+            if req.kv_slots.numel() > aligned:
+                kv.free(req.kv_slots[aligned:])
+            if req.mamba_slot is not None and not res.mamba_adopted:
+                self.mamba.device_alloc.free(req.mamba_slot)
+        else:
+            if req.kv_slots.numel() > protected:
+                kv.free(req.kv_slots[protected:])
+            if req.mamba_slot is not None:
+                self.mamba.device_alloc.free(req.mamba_slot)
+        if req.lock is not None:
+            self.unlock(req.lock)
+        req.lock = None
+        req.mamba_slot = None
+        req.kv_slots = req.kv_slots[:0]
+        req.cache_protected_len = 0
+
+    def cache_unfinished_req(self: UnifiedRadixTree, req: CacheRequest) -> None:
+        """Checkpoint a running request (chunked prefill, decode): insert its page-aligned
+        tokens, write the tree's slots into ``kv_slots``, move its pin to the new end node and
+        advance ``cache_protected_len``.
+
+        The pin moves to the node ending at the cached length (not to the match anchor): every
+        slot the request keeps using must be pinned. Where an SWA tombstone cannot take the
+        request's slots (its FULL is pinned by another reader), caching stops there and the
+        request keeps its own slots, which still carry the SWA data it needs.
+        """
+        aligned = len(req.token_ids) // self.page_size * self.page_size
+        if aligned <= req.cache_protected_len:
+            return
+        res = self.insert(
+            req.token_ids[:aligned],
+            req.kv_slots[:aligned],
+            prev_prefix_len=req.cache_protected_len,
+            swa_evicted_seqlen=min(req.swa_evicted_seqlen, aligned),
+            priority=req.priority,
+            namespace=req.namespace,
+            unfinished=True,
+        )
+        req.last_insert = res
+        values = []
+        x = res.last_node
+        while x.parent is not None:
+            values.append(x.value[0])
+            x = x.parent
+        if values:
+            req.kv_slots[: res.cached_len] = torch.cat(values[::-1])
+        new_lock = self.lock(res.last_node)
+        if req.lock is not None:
+            self.unlock(req.lock)
+        req.lock = new_lock
+        req.cache_protected_len = res.cached_len
+
+    def free_out_of_window(self: UnifiedRadixTree, req: CacheRequest) -> int:
+        """Free the request's own SWA slots that slid out of the window (keeping a cushion of
+        one page); advances ``swa_evicted_seqlen``. Returns SWA tokens freed."""
+        P = self.page_size
+        new = max(0, (len(req.token_ids) - 1) - (self.swa.window + P)) // P * P
+        start = max(req.swa_evicted_seqlen, req.cache_protected_len)
+        freed = 0
+        if new > start:
+            freed = self.full.device_alloc.free_swa(req.kv_slots[start:new])
+        req.swa_evicted_seqlen = max(req.swa_evicted_seqlen, new)
+        return freed

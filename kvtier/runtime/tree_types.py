@@ -1,0 +1,181 @@
+"""Result and handle types of the unified radix tree.
+
+Results are NamedTuples (cheap on the scheduler's hot path); handles and transfer descriptors are
+frozen dataclasses. Handles are opaque to callers: pass back exactly what ``lock``/``pin_host``
+returned.
+
+Token positions (``end``, ``boundary``, skipped ranges) count tokens from the root. They are used
+instead of node ids because a split or a load-back never moves a token position, whereas a split
+creates new nodes: a handle taken before a split therefore still releases exactly what it pinned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from kvtier.runtime.tree_node import TreeNode
+
+__all__ = [
+    "Backup",
+    "EvictResult",
+    "HostPinHandle",
+    "InsertResult",
+    "LoadBack",
+    "LockHandle",
+    "MatchResult",
+    "Transfer",
+    "TreeIntegrityError",
+]
+
+
+class TreeIntegrityError(RuntimeError):
+    """A tree invariant (behaviour.md §2.10) or a pool's books do not hold."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One copy the controller must issue; the tree has already updated its books.
+
+    Attributes:
+        pool: pool name ("kv", "swa", "mamba").
+        device_indices: int64 ``[n]`` slots in the device pool.
+        host_indices: int64 ``[n]`` slots in the host pool, same order.
+        direction: ``"d2h"`` (backup) or ``"h2d"`` (load back).
+    """
+
+    pool: str
+    device_indices: torch.Tensor
+    host_indices: torch.Tensor
+    direction: Literal["d2h", "h2d"]
+
+
+class MatchResult(NamedTuple):
+    """What ``match_prefix`` found.
+
+    Attributes:
+        device_indices: int64 ``[device_len]`` FULL slots from the root to ``last_device_node``.
+        last_device_node: deepest node where every component is on the device; lock this one.
+        best_match_node: deepest node where every component is usable on device or host; the
+            anchor for ``load_back``. Equals ``last_device_node`` when nothing is host-only.
+        host_hit_length: FULL tokens between the two anchors that are only on host.
+        swa_host_hit_length: SWA tokens ``load_back`` would restore from host.
+        mamba_host_hit_length: 1 when the anchor's Mamba state is only on host, else 0.
+    """
+
+    device_indices: torch.Tensor
+    last_device_node: TreeNode
+    best_match_node: TreeNode
+    host_hit_length: int = 0
+    swa_host_hit_length: int = 0
+    mamba_host_hit_length: int = 0
+
+    @property
+    def device_len(self) -> int:
+        return int(self.device_indices.numel())
+
+
+class InsertResult(NamedTuple):
+    """What ``insert`` did.
+
+    Attributes:
+        prefix_len: tokens of the key that were already in the tree (device or host).
+        total_len: page-aligned key length.
+        cached_len: leading tokens now owned by the tree (``total_len`` unless an unfinished
+            insert stopped at an SWA tombstone it could not restore; see ``insert``).
+        last_node: the node ending at ``cached_len``.
+        mamba_exist: the end node already had a device Mamba state; the caller keeps its slot.
+        mamba_adopted: the tree took ownership of the caller's Mamba slot.
+    """
+
+    prefix_len: int
+    total_len: int
+    cached_len: int
+    last_node: TreeNode
+    mamba_exist: bool = False
+    mamba_adopted: bool = False
+
+
+class EvictResult(NamedTuple):
+    """Amounts freed on one tier: tokens for FULL and SWA, slots for Mamba."""
+
+    full: int = 0
+    swa: int = 0
+    mamba: int = 0
+
+
+@dataclass(frozen=True)
+class LockHandle:
+    """A device pin (reference count) taken by ``lock``; release it with ``unlock``.
+
+    Attributes:
+        node: the node that was locked.
+        node_end: token position where ``node`` ends.
+        full_end: FULL is pinned on the path root..``full_end``; nodes below it were evicted
+            (host-only) when the lock was taken and were skipped.
+        swa_boundary: SWA is pinned on nodes ending in ``(swa_boundary, node_end]`` (the window),
+            or None when no SWA pin is held (no SWA component, or released early).
+        swa_skipped: ``(start, end)`` token ranges inside the window that had no SWA data on
+            device when the lock was taken (tombstones, evicted nodes); never decremented.
+        mamba: whether ``node``'s Mamba state is pinned.
+        delta: FULL tokens that went from evictable to protected.
+    """
+
+    node: TreeNode
+    node_end: int
+    full_end: int
+    swa_boundary: int | None = None
+    swa_skipped: tuple[tuple[int, int], ...] = ()
+    mamba: bool = False
+    delta: int = 0
+
+
+@dataclass(frozen=True)
+class HostPinHandle:
+    """A host pin (reference count) taken by ``pin_host``; release it with ``unpin_host``.
+
+    Attributes:
+        node: the pinned node.
+        node_end: token position where ``node`` ends.
+        full: whether ``node``'s FULL host data is pinned.
+        swa_boundary, swa_skipped: the SWA host window, as in ``LockHandle``.
+        mamba: whether ``node``'s Mamba host state is pinned.
+    """
+
+    node: TreeNode
+    node_end: int
+    full: bool = False
+    swa_boundary: int | None = None
+    swa_skipped: tuple[tuple[int, int], ...] = ()
+    mamba: bool = False
+
+
+@dataclass(frozen=True)
+class Backup:
+    """A device→host backup whose books are committed; the copies are still to be done.
+
+    The nodes stay device-locked through ``lock`` until ``finish_backup`` so that the copy's
+    source cannot be evicted mid-transfer.
+    """
+
+    nodes: tuple[TreeNode, ...]
+    transfers: tuple[Transfer, ...]
+    lock: LockHandle
+
+
+@dataclass(frozen=True)
+class LoadBack:
+    """A host→device load whose books are committed; the copies are still to be done.
+
+    ``lock`` pins the loaded path on device and ``pin`` pins the anchor's host data until
+    ``finish_load_back``, so neither side of an in-flight copy can be freed.
+    """
+
+    anchor: TreeNode
+    transfers: tuple[Transfer, ...]
+    lock: LockHandle
+    pin: HostPinHandle
+    loaded_tokens: int
