@@ -338,13 +338,13 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             if value is not None:
                 values.append(value)
             # Every validator sees every node: they are stateful (SWA counts a window).
-            dev_ok = all([v(child, n) for v in dev_validators])
+            dev_ok = all(v(child, n) for v in dev_validators)
             if any_validators is None:
                 if dev_ok:
                     best = best_dev = child
                     n_dev_values = len(values)
             else:
-                if all([v(child, n) for v in any_validators]):
+                if all(v(child, n) for v in any_validators):
                     best = child
                 if dev_ok:
                     best_dev = child
@@ -420,8 +420,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
                 if cut is not None:
                     child = self.split(child, cut)
                     n = cut
-            if priority > child.priority:
-                child.priority = priority
+            child.priority = max(child.priority, priority)
             fresh = value[pos : pos + n]
             if child.value[0] is None:
                 if pos < prev_prefix_len:

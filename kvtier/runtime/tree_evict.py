@@ -89,10 +89,13 @@ class EvictionMixin:
 
     def _evict_device_leaf(self: UnifiedRadixTree, node: TreeNode, freed: list[int]) -> bool:
         """Evict a device leaf with all components; False if it must stay (write-back failed)."""
-        if node.host_value[0] is None and self.write_back is not None:
-            # Never demote data that has no host copy (#27108): a failed backup keeps the node.
-            if not self.write_back(node) or node.host_value[0] is None:
-                return False
+        # Never demote data that has no host copy (#27108): a failed backup keeps the node.
+        if (
+            node.host_value[0] is None
+            and self.write_back is not None
+            and (not self.write_back(node) or node.host_value[0] is None)
+        ):
+            return False
         for comp in reversed(self.aux):
             if node.value[comp.slot] is not None:
                 freed[comp.slot] += self.clear_device(node, comp.slot)

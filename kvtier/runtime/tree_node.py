@@ -34,21 +34,21 @@ class TreeNode:
     """
 
     __slots__ = (
-        "id",
-        "key",
-        "namespace",
-        "parent",
+        "attached",
         "children",
         "end",
-        "value",
-        "host_value",
-        "lock",
-        "host_lock",
-        "last_access",
         "hit_count",
-        "priority",
+        "host_lock",
+        "host_value",
+        "id",
+        "key",
+        "last_access",
+        "lock",
+        "namespace",
         "page_hashes",
-        "attached",
+        "parent",
+        "priority",
+        "value",
     )
 
     def __init__(
