@@ -180,6 +180,9 @@ class StorageBackend(ABC):
     def close(self) -> None:
         """Release connections and registrations; the backend is unusable afterwards."""
 
+    def _check_buffers(self, pages: list[torch.Tensor]) -> None:
+        """Raise ``ValueError`` for page buffers this backend cannot move (e.g. unregistered)."""
+
     # -- the batch API ----------------------------------------------------------------------------
 
     def exists(self, transfers: Sequence[PoolTransfer]) -> int:
@@ -231,6 +234,7 @@ class StorageBackend(ABC):
         for t in transfers:
             keys += self.scope.object_keys(t.keys, t.pool)
             pages += t.pages
+        self._check_buffers(pages)
         start = time.perf_counter()
         try:
             done = self._read(keys, pages) if direction is Direction.READ else self._write(keys, pages)

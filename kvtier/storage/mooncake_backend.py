@@ -17,8 +17,9 @@ Facts about the client this relies on (mooncake-transfer-engine-non-cuda 0.3.13)
   naming the address.
 * Once the master is gone, ``batch_is_exist`` and ``batch_get_*`` fail at once and
   ``batch_put_*`` after about 4 s; all report per key, which this backend reports per page.
-* ``close`` talks to the master (about 2 s with a live master, 12 s with a dead one), so it runs
-  on a helper thread bounded by ``close_timeout_s``.
+* ``close`` holds the GIL while it talks to the master (about 2 s with a live master, 6-12 s of
+  retries with a dead one). When ``health_check`` says the master is unreachable, ``close`` does
+  not call it: the dead client is parked until process exit.
 * The client listens on every interface whatever ``MC_TCP_BIND_ADDRESS`` says; run it inside a
   network namespace (or on a trusted network).
 """
@@ -45,6 +46,8 @@ __all__ = ["MooncakeBackend", "MooncakeConfig"]
 log = logging.getLogger(__name__)
 
 _ARENA_PAGES = 4096  # header slots per arena; larger batches go in chunks of this many pages
+_MASTER_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreachable
+_PARKED: list[object] = []  # clients of dead masters: their teardown would block on retries
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,6 @@ class MooncakeConfig:
     global_segment_size: bytes of memory this client contributes to the distributed pool.
     local_buffer_size: bytes of the client's own staging buffer (unused on the zero-copy path).
     connect_timeout_s: bound on reaching the master at start-up.
-    close_timeout_s: bound on ``close``; past it the client is abandoned with a warning.
     """
 
     master_address: str
@@ -70,7 +72,6 @@ class MooncakeConfig:
     global_segment_size: int = 256 << 20
     local_buffer_size: int = 16 << 20
     connect_timeout_s: float = 5.0
-    close_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         host, sep, port = self.master_address.rpartition(":")
@@ -177,7 +178,7 @@ class MooncakeBackend(StorageBackend):
             raise RuntimeError(f"mooncake register_buffer({start:#x}, {size}) failed with {rc}")
         return start, size
 
-    def _check_registered(self, pages: list[torch.Tensor]) -> None:
+    def _check_buffers(self, pages: list[torch.Tensor]) -> None:
         with self._regions_mutex:
             regions = list(self._regions)
         starts = [r[0] for r in regions]
@@ -196,7 +197,6 @@ class MooncakeBackend(StorageBackend):
         return [r == 1 for r in self._store.batch_is_exist(object_keys)]
 
     def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
-        self._check_registered(pages)
         out: list[bool] = []
         for lo in range(0, len(object_keys), _ARENA_PAGES):
             out += self._read_chunk(object_keys[lo : lo + _ARENA_PAGES], pages[lo : lo + _ARENA_PAGES])
@@ -229,7 +229,6 @@ class MooncakeBackend(StorageBackend):
         return out
 
     def _write(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
-        self._check_registered(pages)
         out: list[bool] = []
         for lo in range(0, len(object_keys), _ARENA_PAGES):
             out += self._write_chunk(object_keys[lo : lo + _ARENA_PAGES], pages[lo : lo + _ARENA_PAGES])
@@ -267,24 +266,17 @@ class MooncakeBackend(StorageBackend):
         self._store.remove_all(True)
 
     def close(self) -> None:
-        """Unregister buffers and close the client, waiting at most ``close_timeout_s``."""
+        """Unregister buffers and close the client; returns at once if the master is gone."""
         store = self._store
-
-        def _close() -> None:
-            for arena in self._arenas.all():
-                store.unregister_buffer(arena.data_ptr())
-            with self._regions_mutex:
-                regions, self._regions = self._regions, []
-            for start, _ in regions:
-                store.unregister_buffer(start)
-            store.close()
-
-        t = threading.Thread(target=_close, name="mooncake-close", daemon=True)
-        t.start()
-        t.join(self.config.close_timeout_s)
-        if t.is_alive():
-            log.warning(
-                "mooncake client for master %s did not close within %.1f s; abandoned",
-                self.config.master_address,
-                self.config.close_timeout_s,
-            )
+        if store.health_check() == _MASTER_UNREACHABLE:
+            log.warning("mooncake master %s is unreachable; leaving the client to process exit",
+                        self.config.master_address)
+            _PARKED.append(store)
+            return
+        for arena in self._arenas.all():
+            store.unregister_buffer(arena.data_ptr())
+        with self._regions_mutex:
+            regions, self._regions = self._regions, []
+        for start, _ in regions:
+            store.unregister_buffer(start)
+        store.close()

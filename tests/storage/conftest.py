@@ -101,6 +101,15 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     stop_master(master)
 
 
+@pytest.fixture
+def fresh_master(mooncake_master: str, tmp_path: Path) -> Iterator[Master]:
+    """A master of this test's own, for tests that kill it; stopped at the end if still alive."""
+    master = start_master(tmp_path)
+    yield master
+    if master.process.poll() is None:
+        stop_master(master)
+
+
 @pytest.fixture(scope="session")
 def host_arena() -> torch.Tensor:
     """One host buffer every test's page views come from (Mooncake registers it once)."""

@@ -1,0 +1,158 @@
+"""File backend specifics: on-disk format checks, atomic writes, start-up index, LRU capacity."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.storage import KeyScope, Namespace, PoolTransfer, create_backend, page_hashes
+from kvtier.storage.file_backend import FileBackend
+from kvtier.storage.page_format import HEADER_SIZE
+
+NS = Namespace("test-model", "bfloat16", 4, "page_first")
+PAGE = 1024
+
+
+def pages(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return list(torch.randint(0, 256, (n, PAGE), dtype=torch.uint8, generator=g).unbind(0))
+
+
+def empty(n: int) -> list[torch.Tensor]:
+    return list(torch.full((n, PAGE), 0xEE, dtype=torch.uint8).unbind(0))
+
+
+def files(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "l3"
+
+
+def test_one_file_per_page_object(root: Path) -> None:
+    b = create_backend("file", root=root)
+    h = page_hashes(range(8), NS)
+    b.set([PoolTransfer("kv", h, pages(2, 0))])
+    assert files(root) == sorted(f"{k}.kvp" for k in KeyScope().object_keys(h, "kv"))
+    assert all((root / f).stat().st_size == HEADER_SIZE + PAGE for f in files(root))
+
+
+@pytest.mark.parametrize("damage", ["flip-payload", "flip-header", "truncate", "rename"])
+def test_checksum_miss_is_counted_and_not_served(root: Path, damage: str) -> None:
+    b = create_backend("file", root=root)
+    h = page_hashes(range(8), NS)
+    src = pages(2, 1)
+    b.set([PoolTransfer("kv", h, src)])
+    victim = root / f"{h[1]}.kv.r0.kvp"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip-payload":
+        data[HEADER_SIZE + 100] ^= 0x01
+    elif damage == "flip-header":
+        data[12] ^= 0x01  # payload length field
+    elif damage == "truncate":
+        data = data[:-1]
+    if damage == "rename":  # page 0's valid object now sits under page 1's key
+        os.replace(root / f"{h[0]}.kv.r0.kvp", victim)
+        b = create_backend("file", root=root)
+    else:
+        victim.write_bytes(bytes(data))
+        if damage == "truncate":
+            b = create_backend("file", root=root)  # the index learns the new size at start-up
+    out = empty(2)
+    res = b.get([PoolTransfer("kv", h, out)])
+    assert res.ok["kv"][1] is False
+    assert b.metrics.snapshot()["checksum_miss_pages"] == 1
+    assert not victim.exists(), "a bad object is dropped so a later backup can rewrite it"
+    assert b.exists([PoolTransfer("kv", h[1:])]) == 0
+    if damage != "rename":
+        assert torch.equal(out[0], src[0])
+        assert b.set([PoolTransfer("kv", h[1:], src[1:])]).all_ok
+        assert b.get([PoolTransfer("kv", h[1:], out[1:])]).all_ok and torch.equal(out[1], src[1])
+
+
+def test_write_is_atomic(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that dies half-way leaves neither a final file nor a temp file behind."""
+    b = create_backend("file", root=root)
+    h = page_hashes(range(4), NS)
+    real_writev = os.writev
+
+    def dying_writev(fd: int, buffers: list) -> int:
+        real_writev(fd, [buffers[0], memoryview(buffers[1])[:100]])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", dying_writev)
+    assert b.set([PoolTransfer("kv", h, pages(1, 2))]).ok["kv"] == [False]
+    monkeypatch.undo()
+    assert files(root) == []
+    assert b.exists([PoolTransfer("kv", h)]) == 0
+
+
+def test_rename_is_the_commit_point(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until the rename only a temp file exists; the final name appears complete."""
+    b = create_backend("file", root=root)
+    h = page_hashes(range(4), NS)
+    seen: list[list[str]] = []
+    real_replace = os.replace
+
+    def spying_replace(src: str, dst: str) -> None:
+        seen.append(files(root))
+        assert Path(src).stat().st_size == HEADER_SIZE + PAGE
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", spying_replace)
+    b.set([PoolTransfer("kv", h, pages(1, 3))])
+    assert len(seen) == 1 and len(seen[0]) == 1 and seen[0][0].endswith(".tmp")
+
+
+def test_index_rebuilt_at_startup(root: Path) -> None:
+    b = create_backend("file", root=root)
+    h = page_hashes(range(16), NS)
+    src = pages(4, 4)
+    b.set([PoolTransfer("kv", h, src)])
+    (root / f"{h[0]}.kv.r0.kvp.123-4-5.tmp").write_bytes(b"partial")
+    (root / "README").write_text("not a page")
+    again = create_backend("file", root=root)
+    assert again.exists([PoolTransfer("kv", h)]) == 4
+    assert not any(f.endswith(".tmp") for f in files(root)), "stale temp files are deleted"
+    assert "README" in files(root)
+    out = empty(4)
+    assert again.get([PoolTransfer("kv", h, out)]).all_ok
+    assert all(torch.equal(a, b) for a, b in zip(out, src))
+    assert again.used_bytes == 4 * (HEADER_SIZE + PAGE)
+
+
+def test_lru_capacity_eviction(root: Path) -> None:
+    b = create_backend("file", root=root, capacity_bytes=3 * (HEADER_SIZE + PAGE))
+    h = page_hashes(range(20), NS)
+    src = pages(5, 5)
+    assert b.set([PoolTransfer("kv", h[:3], src[:3])]).all_ok
+    assert b.get([PoolTransfer("kv", h[:1], empty(1))]).all_ok  # page 0 is now most recent
+    assert b.set([PoolTransfer("kv", h[3:4], src[3:4])]).all_ok
+    present = [b.exists([PoolTransfer("kv", [k])]) for k in h[:4]]
+    assert present == [1, 0, 1, 1], "the least recently used page (1) goes first"
+    assert len(files(root)) == 3 and b.used_bytes == 3 * (HEADER_SIZE + PAGE)
+    big = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    assert b.set([PoolTransfer("kv", h[4:5], [big])]).ok["kv"] == [False], "larger than capacity"
+
+
+def test_fsync_and_lru_order_survive_restart(root: Path) -> None:
+    b = create_backend("file", root=root, fsync=True)
+    h = page_hashes(range(12), NS)
+    for i in range(3):
+        b.set([PoolTransfer("kv", h[i : i + 1], pages(1, i))])
+        os.utime(root / f"{h[i]}.kv.r0.kvp", (1000 + i, 1000 + i))
+    again = FileBackend(FileBackend.Config(root, capacity_bytes=3 * (HEADER_SIZE + PAGE)))
+    again.set([PoolTransfer("kv", [page_hashes(range(100, 104), NS)[0]], pages(1, 9))])
+    assert [again.exists([PoolTransfer("kv", [k])]) for k in h] == [0, 1, 1]
+
+
+def test_config_validates(root: Path) -> None:
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        create_backend("file", root=root, capacity_bytes=0)
+    with pytest.raises(TypeError):
+        create_backend("file", root=root, no_such_option=1)
