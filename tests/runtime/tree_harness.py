@@ -26,6 +26,8 @@ class Harness:
     def __init__(self, page_size: int, swa_window: int | None = None, mamba: bool = False,
                  pages: int = 64, host: bool = False, **kw) -> None:
         self.P = page_size
+        if swa_window is not None:
+            pages = max(pages, 12 * -(-swa_window // page_size))
         cfg = TreeConfig(
             page_size=page_size,
             kv_size=pages * page_size,
