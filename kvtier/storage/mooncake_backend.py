@@ -18,8 +18,10 @@ Facts about the client this relies on (mooncake-transfer-engine-non-cuda 0.3.13)
 * Once the master is gone, ``batch_is_exist`` and ``batch_get_*`` fail at once and
   ``batch_put_*`` after about 4 s; all report per key, which this backend reports per page.
 * ``close`` holds the GIL while it talks to the master (about 2 s with a live master, 6-12 s of
-  retries with a dead one). When ``health_check`` says the master is unreachable, ``close`` does
-  not call it: the dead client is parked until process exit.
+  retries with a dead one), and ``health_check`` still answers "healthy" seconds after the master
+  died. So ``close`` first probes the master's port itself; if nothing answers it does not call
+  the client's ``close`` and parks the dead client until process exit (whose teardown then still
+  spends about 12 s in the client's own retries).
 * The client listens on every interface whatever ``MC_TCP_BIND_ADDRESS`` says; run it inside a
   network namespace (or on a trusted network).
 """
@@ -46,7 +48,6 @@ __all__ = ["MooncakeBackend", "MooncakeConfig"]
 log = logging.getLogger(__name__)
 
 _ARENA_PAGES = 4096  # header slots per arena; larger batches go in chunks of this many pages
-_MASTER_UNREACHABLE = 2  # health_check(): 0 healthy, 1 closed, 2 master unreachable
 _PARKED: list[object] = []  # clients of dead masters: their teardown would block on retries
 
 
@@ -133,14 +134,11 @@ class MooncakeBackend(StorageBackend):
                 "(CPU hosts, plus Debian's libibverbs1) or `mooncake-transfer-engine` (GPU hosts)"
             ) from e
         self.config = config
-        host, _, port = config.master_address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=config.connect_timeout_s).close()
-        except OSError as e:
+        if not self._master_answers():
             raise ConnectionError(
                 f"mooncake master at {config.master_address} is unreachable "
-                f"(waited {config.connect_timeout_s} s): {e}"
-            ) from e
+                f"(waited {config.connect_timeout_s} s)"
+            )
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config.local_hostname)
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
@@ -160,6 +158,14 @@ class MooncakeBackend(StorageBackend):
         self._regions: list[tuple[int, int]] = []  # sorted (start, end) of registered memory
         self._regions_mutex = threading.Lock()
         self._arenas = _Arenas(self._register)
+
+    def _master_answers(self) -> bool:
+        host, _, port = self.config.master_address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), self.config.connect_timeout_s).close()
+        except OSError:
+            return False
+        return True
 
     # -- registration -------------------------------------------------------------------------------
 
@@ -268,7 +274,7 @@ class MooncakeBackend(StorageBackend):
     def close(self) -> None:
         """Unregister buffers and close the client; returns at once if the master is gone."""
         store = self._store
-        if store.health_check() == _MASTER_UNREACHABLE:
+        if not self._master_answers():
             log.warning("mooncake master %s is unreachable; leaving the client to process exit",
                         self.config.master_address)
             _PARKED.append(store)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +22,16 @@ def test_public_api_is_pinned() -> None:
     ])
 
 
-def test_builtin_backends_are_lazy() -> None:
-    import sys
-
+def test_builtin_backends_are_lazy(tmp_path: Path) -> None:
     assert {"file", "mooncake"} <= set(available_backends())
-    assert "kvtier.storage.mooncake_backend" not in sys.modules or "mooncake" in sys.modules
+    code = (
+        "import sys, kvtier.storage as s\n"
+        f"s.create_backend('file', root={str(tmp_path)!r})\n"
+        "print(sorted(m for m in sys.modules if 'mooncake' in m))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60)
+    assert out.stdout.strip() == "[]", "choosing the file backend must not import Mooncake"
 
 
 def test_unknown_backend_names_the_choices() -> None:
