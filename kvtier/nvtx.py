@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["nvtx_range", "annotate", "fmt_bytes", "backend_name"]
+__all__ = ["annotate", "backend_name", "fmt_bytes", "nvtx_range"]
 
 _F = TypeVar("_F", bound=Callable)
 

@@ -27,6 +27,7 @@ import os
 import platform
 import sys
 from dataclasses import asdict, dataclass
+from functools import partial
 
 import torch
 import triton
@@ -34,7 +35,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvtier.kernels import (  # noqa: E402
+from kvtier.kernels import (
+    DEFAULT_KNOBS,
     DeviceBuffers,
     HostBuffer,
     TransferKnobs,
@@ -43,7 +45,7 @@ from kvtier.kernels import (  # noqa: E402
     host_shape,
     set_debug_checks,
 )
-from kvtier.kernels.reference import host_byte_view, ref_copy_kv  # noqa: E402
+from kvtier.kernels.reference import host_byte_view, ref_copy_kv
 
 MODELS = {
     "llama3-8b": dict(buffers=2, layers=32, item=(8, 128)),
@@ -104,14 +106,18 @@ class Ceiling:
 def make_pools(model: str):
     cfg = MODELS[model]
     B, L, item = cfg["buffers"], cfg["layers"], cfg["item"]
-    stacks = [torch.randn((L, POOL_TOKENS, *item), device="cuda").to(torch.bfloat16) for _ in range(B)]
+    stacks = [
+        torch.randn((L, POOL_TOKENS, *item), device="cuda").to(torch.bfloat16) for _ in range(B)
+    ]
     dev = DeviceBuffers.from_layers([list(s.unbind(0)) for s in stacks])
     return dev, stacks, cfg
 
 
 def make_host(cfg, layout: str, P: int) -> HostBuffer:
     B, L, item = cfg["buffers"], cfg["layers"], cfg["item"]
-    t = torch.empty(host_shape(layout, B, L, POOL_TOKENS, P, item), dtype=torch.bfloat16, pin_memory=True)
+    t = torch.empty(
+        host_shape(layout, B, L, POOL_TOKENS, P, item), dtype=torch.bfloat16, pin_memory=True
+    )
     return HostBuffer.create(t, layout, B, L, P, item)
 
 
@@ -129,7 +135,12 @@ def per_page_loop(dev: DeviceBuffers, host: HostBuffer, didx, hidx, d2h: bool, l
     pairs = []
     for b in range(dev.num_buffers):
         for l in layers:
-            dv = dev.layers[b][l].view(dev.num_slots, -1).view(torch.uint8).view(-1, P, host.item_bytes)
+            dv = (
+                dev.layers[b][l]
+                .view(dev.num_slots, -1)
+                .view(torch.uint8)
+                .view(-1, P, host.item_bytes)
+            )
             for dp, hp in zip(dpages, hpages):
                 pairs.append((dv[dp], hview[b, hp, :, l]))
 
@@ -143,7 +154,37 @@ def per_page_loop(dev: DeviceBuffers, host: HostBuffer, didx, hidx, d2h: bool, l
     return run, len(pairs)
 
 
-def measure(model: str, knobs: TransferKnobs, rows: list[Row], ceiling: Ceiling, baselines: bool) -> None:
+def transfer_ops(dev, host, didx, hidx, d2h: bool, scope: str, knobs: TransferKnobs):
+    """kvtier and reference closures; per-layer calls rotate the layer so no layer is re-read hot."""
+    counter = [0]
+
+    def layer_arg():
+        if scope == "all":
+            return None
+        counter[0] = (counter[0] + 1) % dev.num_layers
+        return counter[0]
+
+    if d2h:
+
+        def fn():
+            copy_device_to_host(dev, host, didx, hidx, layer=layer_arg(), knobs=knobs)
+
+        def ref():
+            ref_copy_kv(dev, host, didx, hidx, d2h=True, layer=layer_arg())
+    else:
+
+        def fn():
+            copy_host_to_device(host, dev, hidx, didx, layer=layer_arg(), knobs=knobs)
+
+        def ref():
+            ref_copy_kv(dev, host, didx, hidx, d2h=False, layer=layer_arg())
+
+    return fn, ref
+
+
+def measure(
+    model: str, knobs: TransferKnobs, rows: list[Row], ceiling: Ceiling, baselines: bool
+) -> None:
     dev, stacks, cfg = make_pools(model)
     gen = torch.Generator().manual_seed(0)
     for layout in LAYOUTS:
@@ -155,20 +196,7 @@ def measure(model: str, knobs: TransferKnobs, rows: list[Row], ceiling: Ceiling,
                 for scope in ("layer", "all"):
                     n_sel = 1 if scope == "layer" else dev.num_layers
                     nbytes = N_TOKENS * dev.num_buffers * n_sel * dev.item_bytes
-                    counter = [0]
-
-                    def layer_arg():
-                        if scope == "all":
-                            return None
-                        counter[0] = (counter[0] + 1) % dev.num_layers
-                        return counter[0]
-
-                    if d2h:
-                        fn = lambda: copy_device_to_host(dev, host, didx, hidx, layer=layer_arg(), knobs=knobs)  # noqa: E731
-                        ref = lambda: ref_copy_kv(dev, host, didx, hidx, d2h=True, layer=layer_arg())  # noqa: E731
-                    else:
-                        fn = lambda: copy_host_to_device(host, dev, hidx, didx, layer=layer_arg(), knobs=knobs)  # noqa: E731
-                        ref = lambda: ref_copy_kv(dev, host, didx, hidx, d2h=False, layer=layer_arg())  # noqa: E731
+                    fn, ref = transfer_ops(dev, host, didx, hidx, d2h, scope, knobs)
                     k_gbs = gbs(nbytes, bench(fn))
                     t_gbs = pp_gbs = None
                     if baselines:
@@ -178,8 +206,17 @@ def measure(model: str, knobs: TransferKnobs, rows: list[Row], ceiling: Ceiling,
                         if calls <= 20000:
                             pp_gbs = gbs(nbytes, bench(loop, rep=30))
                     row = Row(
-                        model, layout, P, direction, scope, nbytes, k_gbs,
-                        ceiling(nbytes, direction), t_gbs, pp_gbs, knobs.num_programs,
+                        model,
+                        layout,
+                        P,
+                        direction,
+                        scope,
+                        nbytes,
+                        k_gbs,
+                        ceiling(nbytes, direction),
+                        t_gbs,
+                        pp_gbs,
+                        knobs.num_programs,
                     )
                     rows.append(row)
                     print(
@@ -188,8 +225,6 @@ def measure(model: str, knobs: TransferKnobs, rows: list[Row], ceiling: Ceiling,
                         f"torch-index {t_gbs or 0:6.2f}  per-page {pp_gbs or 0:6.2f}",
                         flush=True,
                     )
-            del host
-    del dev, stacks
 
 
 def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
@@ -200,8 +235,8 @@ def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
     cases = [("page_first", "d2h", None), ("layer_first", "h2d", 0), ("page_first", "h2d", 0)]
     if tune:
         cases.append(("layer_first", "d2h", None))
-    tiles = (8192, 16384, 32768, 65536) if tune else (32768,)
-    warps = (4, 8, 16) if tune else (8,)
+    tiles = (8192, 16384, 32768, 65536) if tune else (DEFAULT_KNOBS.tile_bytes,)
+    warps = (4, 8, 16) if tune else (DEFAULT_KNOBS.num_warps,)
     for layout, direction, layer in cases:
         host = make_host(cfg, layout, 16)
         didx, hidx = random_slots(16, gen), random_slots(16, gen)
@@ -213,33 +248,62 @@ def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
                 for nw in warps:
                     knobs = TransferKnobs(programs, tile, nw)
                     if direction == "d2h":
-                        fn = lambda: copy_device_to_host(dev, host, didx, hidx, layer=layer, knobs=knobs)  # noqa: E731
+                        fn = partial(
+                            copy_device_to_host, dev, host, didx, hidx, layer=layer, knobs=knobs
+                        )
                     else:
-                        fn = lambda: copy_host_to_device(host, dev, hidx, didx, layer=layer, knobs=knobs)  # noqa: E731
+                        fn = partial(
+                            copy_host_to_device, host, dev, hidx, didx, layer=layer, knobs=knobs
+                        )
                     g = gbs(nbytes, bench(fn, rep=40))
-                    out.append(dict(layout=layout, direction=direction,
-                                    scope="all" if layer is None else "layer", programs=programs,
-                                    tile_bytes=tile, num_warps=nw, gbs=g, pct=100 * g / ceil))
-                    print(f"sweep {layout:12s} {direction} prog={programs:<3d} tile={tile:<6d} "
-                          f"warps={nw:<3d} {g:6.1f} GB/s {100 * g / ceil:5.1f}%", flush=True)
-        del host
+                    out.append(
+                        dict(
+                            layout=layout,
+                            direction=direction,
+                            scope="all" if layer is None else "layer",
+                            programs=programs,
+                            tile_bytes=tile,
+                            num_warps=nw,
+                            gbs=g,
+                            pct=100 * g / ceil,
+                        )
+                    )
+                    print(
+                        f"sweep {layout:12s} {direction} prog={programs:<3d} tile={tile:<6d} "
+                        f"warps={nw:<3d} {g:6.1f} GB/s {100 * g / ceil:5.1f}%",
+                        flush=True,
+                    )
     return out
 
 
 def env_info() -> dict:
     p = torch.cuda.get_device_properties(0)
     return dict(
-        gpu=p.name, sms=p.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-        cuda=torch.version.cuda, python=platform.python_version(),
+        gpu=p.name,
+        sms=p.multi_processor_count,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     )
 
 
-def write_report(out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs, cmd: str) -> None:
+def write_report(
+    out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs, cmd: str
+) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench_transfer.json"), "w") as f:
-        json.dump(dict(info=info, knobs=repr(knobs), rows=[asdict(r) | {"pct": r.pct} for r in rows],
-                      sweep=sweep_rows), f, indent=1)
+        json.dump(
+            dict(
+                info=info,
+                knobs=repr(knobs),
+                rows=[asdict(r) | {"pct": r.pct} for r in rows],
+                sweep=sweep_rows,
+            ),
+            f,
+            indent=1,
+        )
     lines = [
         "# D↔H KV transfer bandwidth",
         "",
@@ -266,12 +330,18 @@ def write_report(out: str, info: dict, rows: list[Row], sweep_rows: list[dict], 
             f"{r.nbytes / 1e6:.0f} | {r.kvtier_gbs:.1f} | {r.ceiling_gbs:.1f} | {r.pct:.1f}% | {tg} | {pg} |"
         )
     if sweep_rows:
-        lines += ["", "## Bandwidth against grid size (Llama shape, P=16)", "",
-                  "| layout | dir | scope | programs | tile bytes | warps | GB/s | % ceiling |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Bandwidth against grid size (Llama shape, P=16)",
+            "",
+            "| layout | dir | scope | programs | tile bytes | warps | GB/s | % ceiling |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for s in sweep_rows:
-            lines.append(f"| {s['layout']} | {s['direction']} | {s['scope']} | {s['programs']} | "
-                         f"{s['tile_bytes']} | {s['num_warps']} | {s['gbs']:.1f} | {s['pct']:.1f}% |")
+            lines.append(
+                f"| {s['layout']} | {s['direction']} | {s['scope']} | {s['programs']} | "
+                f"{s['tile_bytes']} | {s['num_warps']} | {s['gbs']:.1f} | {s['pct']:.1f}% |"
+            )
     with open(os.path.join(out, "bench_transfer.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     plot(out, info, rows, sweep_rows, knobs)
@@ -286,9 +356,16 @@ def plot(out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs) -
     fig, axes = plt.subplots(1, 2, figsize=(16, 6))
     if rows:
         ax = axes[0]
-        labels = [f"{r.model[:5]} {r.layout.replace('page_first', 'pf').replace('layer_first', 'lf')} "
-                  f"P{r.page_size} {r.direction} {r.scope}" for r in rows]
-        ax.barh(range(len(rows)), [r.pct for r in rows], color=["tab:blue" if r.direction == "d2h" else "tab:orange" for r in rows])
+        labels = [
+            f"{r.model[:5]} {r.layout.replace('page_first', 'pf').replace('layer_first', 'lf')} "
+            f"P{r.page_size} {r.direction} {r.scope}"
+            for r in rows
+        ]
+        ax.barh(
+            range(len(rows)),
+            [r.pct for r in rows],
+            color=["tab:blue" if r.direction == "d2h" else "tab:orange" for r in rows],
+        )
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels(labels, fontsize=5)
         ax.axvline(95, color="k", ls="--", lw=0.8)
@@ -315,7 +392,9 @@ def plot(out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="profiling/results")
     ap.add_argument("--sweep-only", action="store_true")
     ap.add_argument("--tune", action="store_true", help="also sweep tile bytes and warps")
@@ -327,8 +406,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_transfer needs a CUDA GPU")
     set_debug_checks(False)
-    from kvtier.kernels import DEFAULT_KNOBS
-
     knobs = TransferKnobs(
         args.programs or DEFAULT_KNOBS.num_programs,
         args.tile_bytes or DEFAULT_KNOBS.tile_bytes,

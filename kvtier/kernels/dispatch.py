@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Impl", "select_impl", "interpreter_enabled", "debug_checks", "set_debug_checks"]
+__all__ = ["Impl", "debug_checks", "interpreter_enabled", "select_impl", "set_debug_checks"]
 
 Impl = Literal["auto", "triton", "interpreter", "torch"]
 
@@ -49,7 +49,9 @@ def select_impl(device: torch.device, impl: Impl = "auto") -> str:
     if impl == "triton" and not on_cuda:
         raise ValueError("impl='triton' needs CUDA tensors (use 'interpreter' on CPU)")
     if impl == "interpreter" and (on_cuda or not interpreter_enabled()):
-        raise ValueError("impl='interpreter' needs CPU tensors and TRITON_INTERPRET=1 set at import")
+        raise ValueError(
+            "impl='interpreter' needs CPU tensors and TRITON_INTERPRET=1 set at import"
+        )
     if impl not in ("triton", "interpreter", "torch"):
         raise ValueError(f"impl: unknown implementation {impl!r}")
     return impl

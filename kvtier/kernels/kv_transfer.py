@@ -27,7 +27,7 @@ from kvtier.kernels.layout import DeviceBuffers, HostBuffer
 from kvtier.kernels.reference import ref_copy_kv
 from kvtier.nvtx import fmt_bytes, nvtx_range
 
-__all__ = ["copy_device_to_host", "copy_host_to_device", "TransferKnobs", "DEFAULT_KNOBS"]
+__all__ = ["DEFAULT_KNOBS", "TransferKnobs", "copy_device_to_host", "copy_host_to_device"]
 
 IndexUnit = Literal["token", "page"]
 
@@ -118,7 +118,7 @@ class TransferKnobs:
         num_warps: warps per program.
     """
 
-    __slots__ = ("num_programs", "tile_bytes", "num_warps")
+    __slots__ = ("num_programs", "num_warps", "tile_bytes")
 
     def __init__(self, num_programs: int = 4, tile_bytes: int = 65536, num_warps: int = 16) -> None:
         if num_programs < 1:
@@ -154,7 +154,9 @@ def _check_index(t: torch.Tensor, name: str, device: torch.device) -> None:
         raise ValueError(f"{name}: must be contiguous (stride {t.stride(0)})")
 
 
-def _check_index_values(t: torch.Tensor, name: str, limit: int, page_size: int, unit: IndexUnit) -> None:
+def _check_index_values(
+    t: torch.Tensor, name: str, limit: int, page_size: int, unit: IndexUnit
+) -> None:
     """Range and page-alignment checks; reads the indices back (a device sync on GPU)."""
     if t.numel() == 0:
         return
@@ -304,9 +306,13 @@ def _transfer(
 ) -> str:
     path = select_impl(dev.device, impl)
     if d2h:
-        _validate(dev, host, dev_idx, host_idx, "src_indices", "dst_indices", layer, unit, check, path)
+        _validate(
+            dev, host, dev_idx, host_idx, "src_indices", "dst_indices", layer, unit, check, path
+        )
     else:
-        _validate(dev, host, dev_idx, host_idx, "dst_indices", "src_indices", layer, unit, check, path)
+        _validate(
+            dev, host, dev_idx, host_idx, "dst_indices", "src_indices", layer, unit, check, path
+        )
     n_sel = 1 if layer is not None else dev.num_layers
     tpi = host.page_size if unit == "page" else 1
     nbytes = dev_idx.numel() * tpi * dev.num_buffers * n_sel * dev.item_bytes
@@ -353,8 +359,16 @@ def copy_device_to_host(
         The path taken: "triton", "interpreter" or "torch". Asynchronous on CUDA (current stream).
     """
     return _transfer(
-        dev, host, src_indices, dst_indices,
-        d2h=True, layer=layer, unit=index_unit, knobs=knobs, check=check, impl=impl,
+        dev,
+        host,
+        src_indices,
+        dst_indices,
+        d2h=True,
+        layer=layer,
+        unit=index_unit,
+        knobs=knobs,
+        check=check,
+        impl=impl,
     )
 
 
@@ -375,6 +389,14 @@ def copy_host_to_device(
     Same arguments as :func:`copy_device_to_host`, with source and destination swapped.
     """
     return _transfer(
-        dev, host, dst_indices, src_indices,
-        d2h=False, layer=layer, unit=index_unit, knobs=knobs, check=check, impl=impl,
+        dev,
+        host,
+        dst_indices,
+        src_indices,
+        d2h=False,
+        layer=layer,
+        unit=index_unit,
+        knobs=knobs,
+        check=check,
+        impl=impl,
     )

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "HostLayout",
     "DeviceBuffers",
     "HostBuffer",
+    "HostLayout",
     "host_shape",
     "word_bytes_for",
 ]
@@ -51,7 +51,9 @@ class HostLayout(str, enum.Enum):
             return cls(value)
         except ValueError:
             choices = ", ".join(m.value for m in cls)
-            raise ValueError(f"{arg}: unknown host layout {value!r}; choose one of {choices}") from None
+            raise ValueError(
+                f"{arg}: unknown host layout {value!r}; choose one of {choices}"
+            ) from None
 
     @property
     def page_contiguous(self) -> bool:
@@ -112,7 +114,9 @@ class DeviceBuffers:
     dtype: torch.dtype
 
     @classmethod
-    def from_layers(cls, layers: Sequence[Sequence[torch.Tensor]], arg: str = "layers") -> DeviceBuffers:
+    def from_layers(
+        cls, layers: Sequence[Sequence[torch.Tensor]], arg: str = "layers"
+    ) -> DeviceBuffers:
         if not layers or not layers[0]:
             raise ValueError(f"{arg}: need at least one buffer with at least one layer")
         num_layers = len(layers[0])
@@ -254,7 +258,10 @@ class HostBuffer:
             base = p * self.stride_page
             if self.layout.page_contiguous:
                 out.append(
-                    [(b * self.stride_buffer + base, span * self.num_layers) for b in range(self.num_buffers)]
+                    [
+                        (b * self.stride_buffer + base, span * self.num_layers)
+                        for b in range(self.num_buffers)
+                    ]
                 )
             else:
                 out.append(

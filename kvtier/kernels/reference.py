@@ -10,7 +10,7 @@ import torch
 
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer
 
-__all__ = ["ref_copy_kv", "expand_page_ids", "host_byte_view"]
+__all__ = ["expand_page_ids", "host_byte_view", "ref_copy_kv"]
 
 
 def expand_page_ids(pages: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -84,7 +84,9 @@ class MHADevicePool(DevicePool):
         item = (kv_heads, head_dim)
         self.k_buffer = _stack(num_layers, size, item, dtype, device)
         self.v_buffer = _stack(num_layers, size, item, dtype, device)
-        super().__init__([list(self.k_buffer.unbind(0)), list(self.v_buffer.unbind(0))], page_size, "kv")
+        super().__init__(
+            [list(self.k_buffer.unbind(0)), list(self.v_buffer.unbind(0))], page_size, "kv"
+        )
 
     @classmethod
     def wrap(
@@ -97,7 +99,9 @@ class MHADevicePool(DevicePool):
         self.k_buffer = self.v_buffer = None
         DevicePool.__init__(self, [list(k_layers), list(v_layers)], page_size, "kv")
         if len(self.item_shape) != 2:
-            raise ValueError(f"k_layers: expected [size, kv_heads, head_dim], got item {self.item_shape}")
+            raise ValueError(
+                f"k_layers: expected [size, kv_heads, head_dim], got item {self.item_shape}"
+            )
         return self
 
     def k(self, layer: int) -> torch.Tensor:

@@ -80,7 +80,12 @@ class HostPool:
         pin = torch.cuda.is_available() if pin is None else pin
         self.tensor = torch.empty(shape, dtype=dev.dtype, pin_memory=pin)
         self.buffer = HostBuffer.create(
-            self.tensor, self.layout, dev.num_buffers, dev.num_layers, self.page_size, dev.item_shape
+            self.tensor,
+            self.layout,
+            dev.num_buffers,
+            dev.num_layers,
+            self.page_size,
+            dev.item_shape,
         )
         self.allocator = PageAllocator(self.size, self.page_size, name=f"host {device_pool.kind}")
         self.knobs = knobs
@@ -104,8 +109,14 @@ class HostPool:
     ) -> str:
         """Device → host copy of the given slots (all layers unless ``layer``)."""
         return copy_device_to_host(
-            self.device_pool.buffers, self.buffer, device_indices, host_indices,
-            layer=layer, index_unit=index_unit, knobs=self.knobs, check=check,
+            self.device_pool.buffers,
+            self.buffer,
+            device_indices,
+            host_indices,
+            layer=layer,
+            index_unit=index_unit,
+            knobs=self.knobs,
+            check=check,
         )
 
     def load(
@@ -119,6 +130,12 @@ class HostPool:
     ) -> str:
         """Host → device copy of the given slots (one layer, or all layers)."""
         return copy_host_to_device(
-            self.buffer, self.device_pool.buffers, host_indices, device_indices,
-            layer=layer, index_unit=index_unit, knobs=self.knobs, check=check,
+            self.buffer,
+            self.device_pool.buffers,
+            host_indices,
+            device_indices,
+            layer=layer,
+            index_unit=index_unit,
+            knobs=self.knobs,
+            check=check,
         )

@@ -44,11 +44,15 @@ def make_device(kind: str, form: str, L: int, slots: int, item: tuple, dtype, de
         bufs = [random_bytes((L, slots, *item), dtype, device, gen) for _ in range(B)]
         layers = [list(b.unbind(0)) for b in bufs]
     else:
-        layers = [[random_bytes((slots, *item), dtype, device, gen) for _ in range(L)] for _ in range(B)]
+        layers = [
+            [random_bytes((slots, *item), dtype, device, gen) for _ in range(L)] for _ in range(B)
+        ]
     return DeviceBuffers.from_layers(layers)
 
 
-def make_host(kind: str, layout: str, L: int, slots: int, P: int, item: tuple, dtype, gen, pin: bool):
+def make_host(
+    kind: str, layout: str, L: int, slots: int, P: int, item: tuple, dtype, gen, pin: bool
+):
     B = 2 if kind == "mha" else 1
     t = random_bytes(host_shape(layout, B, L, slots, P, item), dtype, "cpu", gen)
     if pin:
@@ -64,7 +68,9 @@ def clone_host(host: HostBuffer) -> HostBuffer:
     t = host.tensor.clone()
     if host.tensor.is_pinned():
         t = t.pin_memory()
-    return HostBuffer.create(t, host.layout, host.num_buffers, host.num_layers, host.page_size, host.item_shape)
+    return HostBuffer.create(
+        t, host.layout, host.num_buffers, host.num_layers, host.page_size, host.item_shape
+    )
 
 
 def device_bytes(dev: DeviceBuffers) -> torch.Tensor:

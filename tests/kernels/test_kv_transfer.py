@@ -39,7 +39,9 @@ def _setup(kind, form, layout, P, dtype, head_dim, device, seed):
     gen = torch.Generator().manual_seed(seed)
     item = _item(kind, head_dim)
     dev = make_device(kind, form, L, DEV_PAGES * P, item, dtype, device, gen)
-    host = make_host(kind, layout, L, HOST_PAGES * P, P, item, dtype, gen, pin=device.type == "cuda")
+    host = make_host(
+        kind, layout, L, HOST_PAGES * P, P, item, dtype, gen, pin=device.type == "cuda"
+    )
     dev_pages = pick_pages(DEV_PAGES, N_PAGES, gen)
     host_pages = pick_pages(HOST_PAGES, N_PAGES, gen)
     return dev, host, dev_pages, host_pages
@@ -72,7 +74,9 @@ def _check_untouched_device(tri, poison, dev_slots_used, layer):
 @pytest.mark.parametrize("P", [1, 16, 64])
 @pytest.mark.parametrize("scope", ["layer", "all"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-@pytest.mark.parametrize("kind,form", [("mha", "stacked"), ("mha", "wrapped"), ("mla", "stacked"), ("mla", "wrapped")])
+@pytest.mark.parametrize(
+    "kind,form", [("mha", "stacked"), ("mha", "wrapped"), ("mla", "stacked"), ("mla", "wrapped")]
+)
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_copy_matches_reference(direction, kind, form, layout, scope, P, dtype_name, device):
     dtype = DTYPES[dtype_name]
@@ -99,7 +103,9 @@ def test_copy_matches_reference(direction, kind, form, layout, scope, P, dtype_n
         assert not torch.equal(device_bytes(tri), device_bytes(dev))
 
 
-@pytest.mark.parametrize("case", ["one_token", "one_page", "empty", "head_dim_72", "mla_576", "skip"])
+@pytest.mark.parametrize(
+    "case", ["one_token", "one_page", "empty", "head_dim_72", "mla_576", "skip"]
+)
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_awkward_shapes(case, layout, direction, device):
@@ -107,7 +113,9 @@ def test_awkward_shapes(case, layout, direction, device):
     head_dim = {"head_dim_72": 72, "mla_576": 0}.get(case, 8)
     P = 1 if case == "one_token" else 16
     seed = zlib.crc32(repr((case, layout, direction)).encode())
-    dev, host, dev_pages, host_pages = _setup(kind, "wrapped", layout, P, torch.bfloat16, head_dim, device, seed)
+    dev, host, dev_pages, host_pages = _setup(
+        kind, "wrapped", layout, P, torch.bfloat16, head_dim, device, seed
+    )
     n = {"one_token": 1, "one_page": 1, "empty": 0}.get(case, N_PAGES)
     dev_slots = pages_to_slots(dev_pages[:n], P)
     host_slots = pages_to_slots(host_pages[:n], P)
@@ -133,7 +141,9 @@ def test_awkward_shapes(case, layout, direction, device):
 
 @pytest.mark.parametrize("P", [1, 16])
 def test_page_id_indices_equal_token_indices(P, device):
-    dev, host, dev_pages, host_pages = _setup("mha", "stacked", "page_first", P, torch.float16, 8, device, 7)
+    dev, host, dev_pages, host_pages = _setup(
+        "mha", "stacked", "page_first", P, torch.float16, 8, device, 7
+    )
     a, b = clone_host(host), clone_host(host)
     copy_device_to_host(dev, a, dev_pages.to(device), host_pages.to(device), index_unit="page")
     copy_device_to_host(
@@ -151,7 +161,9 @@ def test_round_trip_across_layouts(P, device):
     dev_pages = pick_pages(DEV_PAGES, N_PAGES, gen)
     out_pages = pick_pages(DEV_PAGES, N_PAGES, gen)
     for layout in ("layer_first", "page_first", "page_first_direct"):
-        host = make_host("mha", layout, L, HOST_PAGES * P, P, item, torch.bfloat16, gen, device.type == "cuda")
+        host = make_host(
+            "mha", layout, L, HOST_PAGES * P, P, item, torch.bfloat16, gen, device.type == "cuda"
+        )
         host_pages = pick_pages(HOST_PAGES, N_PAGES, gen)
         dst = make_device("mha", "wrapped", L, DEV_PAGES * P, item, torch.bfloat16, device, gen)
         hs = pages_to_slots(host_pages, P).to(device)
