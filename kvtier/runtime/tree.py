@@ -408,8 +408,10 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished)
         node, pos = self.root, 0
         aux = self.aux
+        root = self.root
         while pos < total:
-            child = node.children.get(child_key(tokens, pos, P, namespace, node is self.root))
+            page = tokens[pos] if P == 1 else tokens[pos : pos + P]
+            child = node.children.get((namespace, page) if node is root else page)
             if child is None:
                 break
             n = match_len(child.key, tokens, pos, P)
@@ -421,14 +423,17 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
                     child = self.split(child, cut)
                     n = cut
             child.priority = max(child.priority, priority)
-            fresh = value[pos : pos + n]
             if child.value[0] is None:
                 if pos < prev_prefix_len:
                     raise TreeIntegrityError(f"{child} is evicted inside the protected prefix")
+                fresh = value[pos : pos + n]
                 self.set_device(child, 0, fresh.clone())
                 for comp in aux:
                     comp.on_unevict(child, pos, fresh, ctx)
-            else:
+            elif aux or pos + n > prev_prefix_len:
+                # Nodes inside the protected prefix hold the request's own matched slots (the
+                # common case): nothing to slice or free there.
+                fresh = value[pos : pos + n]
                 consumed = n
                 for comp in aux:
                     consumed = min(consumed, comp.on_insert_overlap(child, pos, n, fresh, ctx))
