@@ -175,22 +175,20 @@ def main() -> None:
     plot(rows, f"{args.out}/bench_tree.png")
     cpu = "unknown"
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
     lines = [
         "# bench_tree: radix tree scheduler-side cost per request",
         "",
-        f"- date: {datetime.date.today()}; CPU: {cpu}, {platform.machine()}; python "
-        f"{platform.python_version()}, torch {torch.__version__}",
+        (f"- date: {datetime.date.today()}; CPU: {cpu}, {platform.machine()}; python "
+        f"{platform.python_version()}, torch {torch.__version__}"),
         f"- command: `python3 profiling/bench_tree.py --requests {args.requests}`",
-        f"- trace: {args.requests} requests, 16 system prompts of {SYS_LEN} tokens, {TURNS}-turn "
-        f"conversations (+{2 * MSG_LEN} tokens a turn, prompts up to ~2k tokens), 25% branches; P={P}",
-        "- cost = match_prefix + lock, then insert + unlock (allocation and row concat not timed);"
-        " gc.freeze() after the tree is pre-filled",
+        (f"- trace: {args.requests} requests, 16 system prompts of {SYS_LEN} tokens, {TURNS}-turn "
+        f"conversations (+{2 * MSG_LEN} tokens a turn, prompts up to ~2k tokens), 25% branches; P={P}"),
+        ("- cost = match_prefix + lock, then insert + unlock (allocation and row concat not timed);"
+        " gc.freeze() after the tree is pre-filled"),
         "- the machine has 2 cores shared with another engineer's test runs: expect noise",
         "",
         "| tree | requests | nodes start → end | median µs | p99 µs | mean µs | evict calls (median µs) |",
