@@ -27,7 +27,13 @@ import torch
 from kvtier.storage.base import StorageBackend
 from kvtier.storage.keys import KeyScope
 from kvtier.storage.metrics import StorageMetrics
-from kvtier.storage.page_format import HEADER_SIZE, buffer_of, make_header, verify
+from kvtier.storage.page_format import (
+    HEADER_SIZE,
+    buffer_of,
+    make_header,
+    payload_length,
+    verify,
+)
 
 __all__ = ["FileBackend", "FileBackendConfig"]
 
@@ -137,14 +143,14 @@ class FileBackend(StorageBackend):
                 out.append(False)
                 continue
             payload = buffer_of(page)
-            if size != HEADER_SIZE + payload.nbytes:
-                ok = False  # a page of another size under this key: wrong pool or layout
-            else:
-                ok = self._read_file(key, header, payload)
-                if ok is None:  # evicted or cleared since the index lookup
-                    self._forget(key)
-                    out.append(False)
-                    continue
+            if size != HEADER_SIZE + payload.nbytes and self._self_consistent(key, size):
+                out.append(False)  # a whole object of another size: the caller's buffer is wrong
+                continue
+            ok = size == HEADER_SIZE + payload.nbytes and self._read_file(key, header, payload)
+            if ok is None:  # evicted or cleared since the index lookup
+                self._forget(key)
+                out.append(False)
+                continue
             if not ok:
                 bad += 1
                 self._forget(key)
@@ -152,6 +158,14 @@ class FileBackend(StorageBackend):
         if bad:
             self.metrics.add_checksum_miss(bad)
         return out
+
+    def _self_consistent(self, key: str, size: int) -> bool:
+        """Whether the file's header declares exactly the payload the file holds."""
+        try:
+            with open(self._path(key), "rb") as f:
+                return payload_length(f.read(HEADER_SIZE)) == size - HEADER_SIZE
+        except OSError:
+            return False
 
     def _read_file(self, key: str, header: bytearray, payload: memoryview) -> bool | None:
         """Read and verify one file; None when the file does not exist."""

@@ -218,12 +218,12 @@ class MooncakeBackend(StorageBackend):
             headers = buffer_of(arena)
             out, bad = [], []
             for i, (key, page, n) in enumerate(zip(keys, pages, got)):
-                if n < 0:
-                    out.append(False)  # missing, evicted, or the store failed
+                if n != HEADER_SIZE + page.numel():
+                    # Missing, evicted, a failed store, or an object of another size than the
+                    # caller's buffer (puts are atomic, so not a torn object): not served.
+                    out.append(False)
                     continue
-                ok = n == HEADER_SIZE + page.numel() and verify(
-                    headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], key, buffer_of(page)
-                )
+                ok = verify(headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], key, buffer_of(page))
                 if not ok:
                     bad.append(key)
                 out.append(ok)

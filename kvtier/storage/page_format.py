@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["HEADER_SIZE", "buffer_of", "make_header", "verify"]
+__all__ = ["HEADER_SIZE", "buffer_of", "make_header", "payload_length", "verify"]
 
 HEADER_SIZE = 32
 _MAGIC = b"KVTP"
@@ -71,3 +71,11 @@ def verify(header: bytes | memoryview, key: str, payload: memoryview) -> bool:
         and key_digest == digest(key.encode())
         and checksum == digest(payload)
     )
+
+
+def payload_length(header: bytes | bytearray | memoryview) -> int | None:
+    """The payload length a header declares, or None if it is not a kvtier page header."""
+    if len(header) != HEADER_SIZE:
+        return None
+    magic, version, _, _, length, _, _ = _HEADER.unpack(header)
+    return length if magic == _MAGIC and version == _VERSION else None

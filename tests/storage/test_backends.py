@@ -104,6 +104,8 @@ def test_wrong_size_page_is_not_served(backend: StorageBackend, make_pages) -> N
     h = hashes(1)
     backend.set([PoolTransfer("kv", h, make_pages(1, PAGE))])
     assert backend.get([PoolTransfer("kv", h, make_pages(1, PAGE // 2))]).ok["kv"] == [False]
+    assert backend.metrics.snapshot()["checksum_miss_pages"] == 0, "a caller's mistake, not damage"
+    assert backend.exists([PoolTransfer("kv", h)]) == 1, "the stored object is left alone"
 
 
 def test_clear(backend: StorageBackend, make_pages) -> None:
