@@ -33,7 +33,9 @@ def demo(args: argparse.Namespace) -> int:
     pool = MHADevicePool(L, args.tokens * 2, H, D, dtype=torch.bfloat16, device=device, page_size=P)
     gen = torch.Generator().manual_seed(0)
     for buf in (pool.k_buffer, pool.v_buffer):
-        buf.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, buf.shape, dtype=torch.int16, generator=gen))
+        buf.view(torch.int16).copy_(
+            torch.randint(-(2**15), 2**15, buf.shape, dtype=torch.int16, generator=gen)
+        )
     print(
         f"kvtier demo: MHA pool {L} layers x {H} kv heads x {D} head_dim bf16, page {P}, "
         f"{args.tokens} tokens per round trip, device {device}"
@@ -66,7 +68,11 @@ def demo(args: argparse.Namespace) -> int:
         )
         pool.allocator.free(src.cpu())
         pool.allocator.free(dst.cpu())
-    print("all layouts returned identical bytes" if ok else "MISMATCH: data did not come back identical")
+    print(
+        "all layouts returned identical bytes"
+        if ok
+        else "MISMATCH: data did not come back identical"
+    )
     return 0 if ok else 1
 
 

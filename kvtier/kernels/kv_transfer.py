@@ -197,11 +197,16 @@ def _validate(
     check: bool | None,
     impl: str,
 ) -> None:
-    if dev.dtype != host.dtype:
-        raise ValueError(f"host: dtype {host.dtype} differs from the device pool's {dev.dtype}")
-    if dev.item_shape != host.item_shape:
+    if host.item_shape is not None:
+        if dev.dtype != host.dtype:
+            raise ValueError(f"host: dtype {host.dtype} differs from the device pool's {dev.dtype}")
+        if dev.item_shape != host.item_shape:
+            raise ValueError(
+                f"host: item shape {host.item_shape} differs from the device pool's {dev.item_shape}"
+            )
+    if dev.item_bytes != host.item_bytes:
         raise ValueError(
-            f"host: item shape {host.item_shape} differs from the device pool's {dev.item_shape}"
+            f"host: items of {host.item_bytes} bytes, the device pool's are {dev.item_bytes}"
         )
     if dev.num_buffers != host.num_buffers or dev.num_layers != host.num_layers:
         raise ValueError(
@@ -218,10 +223,12 @@ def _validate(
         raise ValueError(
             f"{dev_name} has {dev_idx.numel()} entries but {host_name} has {host_idx.numel()}"
         )
-    if impl == "triton" and not host.tensor.is_pinned():
-        raise ValueError("host: host tensor must be pinned memory on the GPU path")
-    if host.tensor.device.type != "cpu":
-        raise ValueError(f"host: host tensor is on {host.tensor.device}, expected cpu")
+    if impl == "triton":
+        for name, t in (("host", host.tensor), ("dev", dev.base)):
+            if t.device.type == "cpu" and not t.is_pinned():
+                raise ValueError(f"{name}: host tensor must be pinned memory on the GPU path")
+    if host.tensor.device.type != "cpu" and host.tensor.device != dev.device:
+        raise ValueError(f"host: tensor on {host.tensor.device}, kernels run on {dev.device}")
     if check if check is not None else debug_checks():
         P = host.page_size
         _check_index_values(dev_idx, dev_name, dev.num_slots, P, unit)
@@ -265,7 +272,7 @@ def _launch(
     _kv_copy_kernel[grid](
         as_words(dev.base),
         dev.table,
-        as_words(host.tensor),
+        as_words(host.tensor)[host.offset // elem :],
         dev_idx,
         host_idx,
         n_rows,
@@ -318,7 +325,7 @@ def _transfer(
     nbytes = dev_idx.numel() * tpi * dev.num_buffers * n_sel * dev.item_bytes
     name = (
         f"kvtier.{'d2h' if d2h else 'h2d'} "
-        f"{'all' if layer is None else f'layer{layer}'} {host.layout.value} {fmt_bytes(nbytes)}"
+        f"{'all' if layer is None else f'layer{layer}'} {host.layout.value if host.layout else 'strided'} {fmt_bytes(nbytes)}"
     )
     with nvtx_range(name):
         if path == "torch":

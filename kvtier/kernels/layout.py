@@ -115,8 +115,13 @@ class DeviceBuffers:
 
     @classmethod
     def from_layers(
-        cls, layers: Sequence[Sequence[torch.Tensor]], arg: str = "layers"
+        cls,
+        layers: Sequence[Sequence[torch.Tensor]],
+        arg: str = "layers",
+        table_device: torch.device | str | None = None,
     ) -> DeviceBuffers:
+        """Describe ``layers[b][l]`` (no copy). ``table_device`` is where kernels run (default:
+        the tensors' device); pinned host tensors with a CUDA table are reached from the GPU."""
         if not layers or not layers[0]:
             raise ValueError(f"{arg}: need at least one buffer with at least one layer")
         num_layers = len(layers[0])
@@ -141,7 +146,9 @@ class DeviceBuffers:
         base_addr = ref.data_ptr()
         deltas = [t.data_ptr() - base_addr for buf in layers for t in buf]
         unit = word_bytes_for(item_bytes, base_addr, *deltas)
-        table = torch.tensor([d // unit for d in deltas], dtype=torch.int64, device=ref.device)
+        table = torch.tensor(
+            [d // unit for d in deltas], dtype=torch.int64, device=table_device or ref.device
+        )
         return cls(
             layers=tuple(tuple(buf) for buf in layers),
             base=ref,
@@ -163,29 +170,135 @@ class DeviceBuffers:
 
     @property
     def device(self) -> torch.device:
-        return self.base.device
+        """Where the kernels that use these buffers run (the table's device)."""
+        return self.table.device
 
 
 @dataclass(frozen=True)
 class HostBuffer:
-    """One contiguous host tensor holding ``B`` buffers x ``L`` layers x ``N`` slots in a layout.
+    """``B`` buffers x ``L`` layers x ``N`` slots of ``item_bytes`` at four byte strides in a tensor.
 
-    Strides are in bytes (see the module docstring for the formula).
+    Built by :meth:`create` for a host pool layout (see the module docstring for the formula), by
+    :meth:`flat` for packed L3 page objects, or by :meth:`strided` for any other arrangement
+    (Mamba's flat slots). ``offset`` is where slot 0 of buffer 0, layer 0 starts, in bytes from the
+    tensor's start. ``item_shape`` is None for raw-byte buffers, whose items are matched with a
+    device pool by size only. The tensor may live in pinned host memory or on the device.
     """
 
     tensor: torch.Tensor
-    layout: HostLayout
+    layout: HostLayout | None
     num_buffers: int
     num_layers: int
     num_slots: int
     page_size: int
-    item_shape: tuple[int, ...]
+    item_shape: tuple[int, ...] | None
     item_bytes: int
     stride_buffer: int
     stride_page: int
     stride_token: int
     stride_layer: int
     align: int
+    offset: int = 0
+
+    @classmethod
+    def strided(
+        cls,
+        tensor: torch.Tensor,
+        *,
+        num_buffers: int,
+        num_layers: int,
+        num_slots: int,
+        page_size: int,
+        item_bytes: int,
+        stride_buffer: int,
+        stride_page: int,
+        stride_token: int,
+        stride_layer: int,
+        offset: int = 0,
+        arg: str = "buffer",
+    ) -> HostBuffer:
+        """Raw-byte buffer at explicit byte strides; checks every item lies inside ``tensor``."""
+        if not tensor.is_contiguous():
+            raise ValueError(f"{arg}: tensor must be contiguous")
+        if num_slots % page_size:
+            raise ValueError(
+                f"{arg}: num_slots={num_slots} is not a multiple of page_size={page_size}"
+            )
+        last = (
+            offset
+            + (num_buffers - 1) * stride_buffer
+            + (num_slots // page_size - 1) * stride_page
+            + (page_size - 1) * stride_token
+            + (num_layers - 1) * stride_layer
+            + item_bytes
+        )
+        nbytes = tensor.numel() * tensor.element_size()
+        if num_slots and last > nbytes:
+            raise ValueError(f"{arg}: needs {last} bytes, tensor has {nbytes}")
+        return cls(
+            tensor=tensor,
+            layout=None,
+            num_buffers=num_buffers,
+            num_layers=num_layers,
+            num_slots=num_slots,
+            page_size=page_size,
+            item_shape=None,
+            item_bytes=item_bytes,
+            stride_buffer=stride_buffer,
+            stride_page=stride_page,
+            stride_token=stride_token,
+            stride_layer=stride_layer,
+            align=word_bytes_for(
+                item_bytes,
+                tensor.data_ptr() + offset,
+                stride_buffer,
+                stride_page,
+                stride_token,
+                stride_layer,
+            ),
+            offset=offset,
+        )
+
+    @classmethod
+    def flat(
+        cls,
+        tensor: torch.Tensor,
+        *,
+        num_buffers: int,
+        num_layers: int,
+        page_size: int,
+        item_bytes: int,
+        token_major: bool,
+        arg: str = "flat",
+    ) -> HostBuffer:
+        """Packed page objects: ``tensor`` is ``[n_pages, page_bytes]`` bytes, one page per row.
+
+        Inside a page: buffer-major, then ``[L, P]`` items (layer-major, the order of
+        layer_first and page_first_direct pages) or ``[P, L]`` items (``token_major``, the order
+        of page_first pages). This is exactly the byte order of the page's ranges in a host pool
+        of the matching layout, concatenated.
+        """
+        L, P, I = num_layers, page_size, item_bytes
+        page_bytes = num_buffers * L * P * I
+        if tensor.dim() != 2 or tensor.shape[1] * tensor.element_size() != page_bytes:
+            raise ValueError(
+                f"{arg}: expected [n_pages, {page_bytes}] bytes, got {tuple(tensor.shape)} "
+                f"of {tensor.dtype}"
+            )
+        s_tok, s_layer = (L * I, I) if token_major else (I, P * I)
+        return cls.strided(
+            tensor,
+            num_buffers=num_buffers,
+            num_layers=L,
+            num_slots=tensor.shape[0] * P,
+            page_size=P,
+            item_bytes=I,
+            stride_buffer=L * P * I,
+            stride_page=page_bytes,
+            stride_token=s_tok,
+            stride_layer=s_layer,
+            arg=arg,
+        )
 
     @classmethod
     def create(
@@ -256,7 +369,7 @@ class HostBuffer:
             if not 0 <= p < self.num_slots // self.page_size:
                 raise ValueError(f"pages: page {p} outside [0, {self.num_slots // self.page_size})")
             base = p * self.stride_page
-            if self.layout.page_contiguous:
+            if self.layout is not None and self.layout.page_contiguous:
                 out.append(
                     [
                         (b * self.stride_buffer + base, span * self.num_layers)

@@ -21,10 +21,10 @@ def expand_page_ids(pages: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def host_byte_view(host: HostBuffer) -> torch.Tensor:
-    """``[B, N/P, P, L, item_bytes]`` uint8 view of the host tensor (no copy), any layout."""
+    """``[B, N/P, P, L, item_bytes]`` uint8 view of the buffer (no copy), whatever its strides."""
     raw = host.tensor.view(-1).view(torch.uint8)
     P = host.page_size
-    return raw.as_strided(
+    return raw[host.offset :].as_strided(
         (host.num_buffers, host.num_slots // P, P, host.num_layers, host.item_bytes),
         (host.stride_buffer, host.stride_page, host.stride_token, host.stride_layer, 1),
     )

@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import torch
 
+from kvtier.kernels.dispatch import Impl
 from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
-from kvtier.kernels.layout import HostBuffer, HostLayout, host_shape
+from kvtier.kernels.layout import DeviceBuffers, HostBuffer, HostLayout, host_shape
+from kvtier.kernels.pack import pack_pages, unpack_pages
 from kvtier.runtime.allocator import PageAllocator
 from kvtier.runtime.device_pool import DevicePool
 
 __all__ = ["HostPool", "host_size_for"]
+
+# L3 objects. A page's flat object is its bytes in the host layout's page order: for
+# page_first and page_first_direct the page's ranges (one per buffer) concatenated, read in
+# place through page_views(); for layer_first the same layer-major order as page_first_direct,
+# packed by a kernel into a reusable pinned staging buffer.
 
 
 def host_size_for(
@@ -138,4 +145,127 @@ class HostPool:
             index_unit=index_unit,
             knobs=self.knobs,
             check=check,
+        )
+
+    # -- L3 page objects -------------------------------------------------------------------
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page's flat object (all buffers, all layers)."""
+        return self.buffer.page_bytes
+
+    @property
+    def flat_token_major(self) -> bool:
+        return self.layout is HostLayout.PAGE_FIRST
+
+    def flat_buffer(self, flat: torch.Tensor, arg: str = "flat") -> HostBuffer:
+        """Describe ``flat`` (``[n, page_bytes]`` bytes, host or device) in this pool's page order."""
+        return HostBuffer.flat(
+            flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat,
+            num_buffers=self.buffer.num_buffers,
+            num_layers=self.buffer.num_layers,
+            page_size=self.page_size,
+            item_bytes=self.buffer.item_bytes,
+            token_major=self.flat_token_major,
+            arg=arg,
+        )
+
+    def new_staging(self, max_pages: int) -> torch.Tensor:
+        """A reusable ``[max_pages, page_bytes]`` uint8 staging buffer (pinned like the pool)."""
+        return torch.empty(
+            (max_pages, self.page_bytes), dtype=torch.uint8, pin_memory=self.tensor.is_pinned()
+        )
+
+    def page_views(self, pages: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Zero-copy 1-D uint8 views of each page's ranges (one per buffer), in flat order.
+
+        Only page-contiguous layouts have them; layer_first pages must be packed (:meth:`pack`).
+        """
+        if not self.layout.page_contiguous:
+            raise ValueError(
+                f"layout: {self.layout.value} pages are not contiguous; pack them into staging"
+            )
+        raw = self.tensor.view(-1).view(torch.uint8)
+        return [[raw[o : o + n] for o, n in ranges] for ranges in self.page_ranges(pages)]
+
+    def _as_slot_buffers(self) -> DeviceBuffers:
+        """This layer_first pool as per-(buffer, layer) slot tensors, for the packing kernel."""
+        if self.layout is not HostLayout.LAYER_FIRST:
+            raise ValueError(f"layout: only layer_first pools are packed, not {self.layout.value}")
+        cached = getattr(self, "_slot_buffers", None)
+        if cached is None:
+            t = self.tensor if self.buffer.num_buffers > 1 else self.tensor[None]
+            layers = [list(t[b].unbind(0)) for b in range(self.buffer.num_buffers)]
+            cached = DeviceBuffers.from_layers(
+                layers, arg="host", table_device=self.device_pool.device
+            )
+            self._slot_buffers = cached
+        return cached
+
+    def pack(
+        self,
+        pages: torch.Tensor,
+        staging: torch.Tensor,
+        *,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> torch.Tensor:
+        """Pack host ``pages`` (layer_first) into rows of ``staging``; returns the used rows.
+
+        ``pages`` are host page ids on the device pool's device. One kernel launch.
+        """
+        flat = self.flat_buffer(staging, arg="staging")
+        pack_pages(self._as_slot_buffers(), flat, pages, knobs=self.knobs, check=check, impl=impl)
+        return staging[: pages.numel()]
+
+    def unpack(
+        self,
+        pages: torch.Tensor,
+        staging: torch.Tensor,
+        *,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> None:
+        """Inverse of :meth:`pack`: row ``i`` of ``staging`` into host page ``pages[i]``."""
+        flat = self.flat_buffer(staging, arg="staging")
+        unpack_pages(flat, self._as_slot_buffers(), pages, knobs=self.knobs, check=check, impl=impl)
+
+    def device_to_flat(
+        self,
+        device_pages: torch.Tensor,
+        flat: torch.Tensor,
+        *,
+        knobs: TransferKnobs | None = None,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
+        """Fused D→flat: device page ``device_pages[i]`` into row ``i`` of ``flat``."""
+        return pack_pages(
+            self.device_pool.buffers,
+            self.flat_buffer(flat),
+            device_pages,
+            knobs=knobs or self.knobs,
+            check=check,
+            impl=impl,
+        )
+
+    def flat_to_device(
+        self,
+        flat: torch.Tensor,
+        device_pages: torch.Tensor,
+        *,
+        layer: int | None = None,
+        knobs: TransferKnobs | None = None,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
+        """Fused flat→D: row ``i`` of ``flat`` into device page ``device_pages[i]``."""
+        return unpack_pages(
+            self.flat_buffer(flat),
+            self.device_pool.buffers,
+            device_pages,
+            layer=layer,
+            knobs=knobs or self.knobs,
+            check=check,
+            impl=impl,
         )

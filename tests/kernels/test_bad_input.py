@@ -18,12 +18,16 @@ P = 4
 def pools(device):
     gen = torch.Generator().manual_seed(0)
     dev = make_device("mha", "stacked", 2, 8 * P, (2, 8), torch.bfloat16, device, gen)
-    host = make_host("mha", "page_first", 2, 4 * P, P, (2, 8), torch.bfloat16, gen, device.type == "cuda")
+    host = make_host(
+        "mha", "page_first", 2, 4 * P, P, (2, 8), torch.bfloat16, gen, device.type == "cuda"
+    )
     return dev, host
 
 
 def slots(*pages, device="cpu"):
-    return torch.tensor([p * P + i for p in pages for i in range(P)], dtype=torch.int64, device=device)
+    return torch.tensor(
+        [p * P + i for p in pages for i in range(P)], dtype=torch.int64, device=device
+    )
 
 
 def expect_untouched(host, before):
@@ -39,13 +43,26 @@ def expect_untouched(host, before):
         (lambda s, d: (s.view(2, -1), d), "src_indices: must be 1-D"),
         (lambda s, d: (s + 100, d), "src_indices: slot .* outside"),
         (lambda s, d: (s, d + 4 * P), "dst_indices: slot .* outside"),
-        (lambda s, d: (s - 2, d), r"src_indices: slot -2 outside|src_indices: slots .* page-aligned"),
+        (
+            lambda s, d: (s - 2, d),
+            r"src_indices: slot -2 outside|src_indices: slots .* page-aligned",
+        ),
         (lambda s, d: (s + 1, d), "src_indices: slots .* page-aligned"),
         (lambda s, d: (s, d[: P + 1]), "entries"),
         (lambda s, d: (s[::2], d[::2]), "contiguous|page-aligned"),
     ],
-    ids=["src-dtype", "dst-dtype", "count", "2d", "src-range", "dst-range", "negative", "unaligned",
-         "count2", "strided"],
+    ids=[
+        "src-dtype",
+        "dst-dtype",
+        "count",
+        "2d",
+        "src-range",
+        "dst-range",
+        "negative",
+        "unaligned",
+        "count2",
+        "strided",
+    ],
 )
 def test_bad_indices(pools, device, mutate, match):
     dev, host = pools
@@ -59,8 +76,13 @@ def test_bad_indices(pools, device, mutate, match):
 def test_page_ids_out_of_range(pools, device):
     dev, host = pools
     with pytest.raises(ValueError, match="dst_indices: page id 4 outside"):
-        copy_device_to_host(dev, host, torch.tensor([0], device=device), torch.tensor([4], device=device),
-                            index_unit="page")
+        copy_device_to_host(
+            dev,
+            host,
+            torch.tensor([0], device=device),
+            torch.tensor([4], device=device),
+            index_unit="page",
+        )
 
 
 def test_h2d_names_its_arguments(pools, device):
@@ -124,7 +146,9 @@ def test_host_buffer_validation():
         HostBuffer.create(t.transpose(0, 1), "layer_first", 2, 3, 4, (2, 8))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned-memory check is on the GPU path")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned-memory check is on the GPU path"
+)
 def test_unpinned_host_on_gpu_path():
     gen = torch.Generator().manual_seed(2)
     dev = make_device("mha", "stacked", 2, 8 * P, (2, 8), torch.bfloat16, "cuda", gen)
@@ -144,7 +168,9 @@ def test_paths_are_reported(pools, device):
     dev, host = pools
     path = copy_device_to_host(dev, host, slots(0, device=device), slots(1, device=device))
     assert path == ("triton" if device.type == "cuda" else "interpreter")
-    path = copy_device_to_host(dev, host, slots(0, device=device), slots(1, device=device), impl="torch")
+    path = copy_device_to_host(
+        dev, host, slots(0, device=device), slots(1, device=device), impl="torch"
+    )
     assert path == "torch"
 
 
@@ -169,4 +195,6 @@ def test_pool_construction_errors(device):
     with pytest.raises(ValueError, match="layout: unknown host layout"):
         HostPool(pool, "page_head", ratio=1.0)
     with pytest.raises(ValueError, match=r"k_layers: expected \[size, kv_heads, head_dim\]"):
-        MHADevicePool.wrap([torch.zeros(16, 8, device=device)], [torch.zeros(16, 8, device=device)], 4)
+        MHADevicePool.wrap(
+            [torch.zeros(16, 8, device=device)], [torch.zeros(16, 8, device=device)], 4
+        )

@@ -1,0 +1,301 @@
+"""Mamba / linear-attention state pools: one state per request slot, not per token.
+
+Per Mamba layer a slot holds one temporal (SSM) state, e.g. ``[heads, head_dim, state]`` fp32,
+and one or more conv states, e.g. ``[dim, kernel - 1]`` bf16; shapes and dtypes differ between
+them. On the device each component is a ``[L, slots, *shape]`` tensor. On the host each slot is
+one contiguous flat page of raw bytes, in this order::
+
+    | temporal L0 | temporal L1 | ... | conv0 L0 | conv0 L1 | ... | conv1 L0 | ... |
+
+that is, every layer's temporal state, then each conv state of every layer. That page is exactly
+the L3 object of the slot, so storage reads and writes host slots in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.kernels.dispatch import Impl
+from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
+from kvtier.kernels.layout import DeviceBuffers, HostBuffer
+from kvtier.runtime.allocator import SlotAllocator
+from kvtier.runtime.host_pool import host_size_for
+
+__all__ = ["MambaStateSpec", "MambaDevicePool", "MambaHostPool", "slot_buffers"]
+
+
+@dataclass(frozen=True)
+class MambaStateSpec:
+    """Per-layer state of one slot: a temporal state and ``len(conv_shapes)`` conv states."""
+
+    temporal_shape: tuple[int, ...]
+    conv_shapes: tuple[tuple[int, ...], ...]
+    temporal_dtype: torch.dtype = torch.float32
+    conv_dtypes: tuple[torch.dtype, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.conv_shapes:
+            raise ValueError("conv_shapes: a Mamba layer has at least one conv state")
+        dtypes = self.conv_dtypes or (torch.bfloat16,) * len(self.conv_shapes)
+        if len(dtypes) != len(self.conv_shapes):
+            raise ValueError(
+                f"conv_dtypes: {len(dtypes)} dtypes for {len(self.conv_shapes)} conv states"
+            )
+        object.__setattr__(self, "conv_dtypes", tuple(dtypes))
+
+    def component_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [(tuple(self.temporal_shape), self.temporal_dtype)] + [
+            (tuple(s), d) for s, d in zip(self.conv_shapes, self.conv_dtypes, strict=True)
+        ]
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class MambaDevicePool:
+    """Slot-indexed Mamba states on the device: ``temporal [L, size, ...]``, ``convs[i] [L, size, ...]``.
+
+    Components with zero bytes (conv-only models) are kept as tensors but never transferred.
+    """
+
+    kind = "mamba"
+    page_size = 1
+
+    def __init__(
+        self,
+        num_layers: int,
+        size: int,
+        spec: MambaStateSpec,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_layers < 1 or size < 1:
+            raise ValueError(f"num_layers and size must be >= 1, got {num_layers}, {size}")
+        self.spec = spec
+        self.size = size
+        self.tensors = [
+            torch.zeros((num_layers, size, *shape), dtype=dtype, device=device)
+            for shape, dtype in spec.component_shapes()
+        ]
+        self.components = [
+            DeviceBuffers.from_layers([list(t.unbind(0))], arg=f"mamba component {i}")
+            for i, t in enumerate(self.tensors)
+            if t[0, 0].numel()
+        ]
+        self.allocator = SlotAllocator(size, name="mamba")
+
+    @property
+    def temporal(self) -> torch.Tensor:
+        return self.tensors[0]
+
+    @property
+    def convs(self) -> list[torch.Tensor]:
+        return self.tensors[1:]
+
+    @property
+    def num_layers(self) -> int:
+        return self.tensors[0].shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot's state across all layers: the flat page size."""
+        return self.num_layers * sum(c.item_bytes for c in self.components)
+
+    bytes_per_token = slot_bytes  # one slot per "token" for host sizing
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: copy each ``src[i]`` slot's whole state to ``dst[i]``, on the device.
+
+        ``dst`` entries must be distinct and must not appear in ``src`` (a batch reads every
+        source before writing, so overlapping would be ambiguous).
+        """
+        if src.dtype != torch.int64 or dst.dtype != torch.int64:
+            raise ValueError("src, dst: slot indices must be int64")
+        if src.shape != dst.shape or src.dim() != 1:
+            raise ValueError(
+                f"src and dst: need equal 1-D shapes, got {tuple(src.shape)} and {tuple(dst.shape)}"
+            )
+        for name, t in (("src", src), ("dst", dst)):
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.size):
+                raise ValueError(f"{name}: slot outside [0, {self.size})")
+        d = dst.tolist()
+        if len(set(d)) != len(d) or set(d) & set(src.tolist()):
+            raise ValueError("dst: slots must be distinct and disjoint from src")
+        src, dst = src.to(self.device), dst.to(self.device)
+        for t in self.tensors:
+            t[:, dst] = t[:, src]
+
+
+def slot_buffers(
+    tensor: torch.Tensor, pool: MambaDevicePool, arg: str = "flat"
+) -> list[HostBuffer]:
+    """One strided view per transferable component over ``[n_slots, slot_bytes]`` bytes."""
+    if tensor.dim() != 2 or tensor.shape[1] * tensor.element_size() != pool.slot_bytes:
+        raise ValueError(
+            f"{arg}: expected [n_slots, {pool.slot_bytes}] bytes, got {tuple(tensor.shape)} of {tensor.dtype}"
+        )
+    out, offset = [], 0
+    L = pool.num_layers
+    for comp in pool.components:
+        I = comp.item_bytes
+        out.append(
+            HostBuffer.strided(
+                tensor,
+                num_buffers=1,
+                num_layers=L,
+                num_slots=tensor.shape[0],
+                page_size=1,
+                item_bytes=I,
+                stride_buffer=0,
+                stride_page=pool.slot_bytes,
+                stride_token=0,
+                stride_layer=I,
+                offset=offset,
+                arg=arg,
+            )
+        )
+        offset += L * I
+    return out
+
+
+def _copy_slots(pool, bufs, dev_slots, flat_slots, d2h, layer, knobs, check, impl) -> str:
+    if pool.device.type == "cuda" and flat_slots.device != pool.device:
+        raise ValueError(f"slots: on {flat_slots.device}, the device pool is on {pool.device}")
+    path = "torch"
+    for comp, buf in zip(pool.components, bufs, strict=True):
+        if d2h:
+            path = copy_device_to_host(
+                comp, buf, dev_slots, flat_slots, layer=layer, knobs=knobs, check=check, impl=impl
+            )
+        else:
+            path = copy_host_to_device(
+                buf, comp, flat_slots, dev_slots, layer=layer, knobs=knobs, check=check, impl=impl
+            )
+    return path
+
+
+class MambaHostPool:
+    """Host Mamba states: ``[size, slot_bytes]`` raw bytes, one flat page per slot.
+
+    Args:
+        device_pool: the device pool it mirrors.
+        size / size_bytes / ratio: exactly one; the number of host slots.
+        pin: pin the tensor (default: when CUDA is available).
+    """
+
+    kind = "mamba"
+
+    def __init__(
+        self,
+        device_pool: MambaDevicePool,
+        *,
+        size: int | None = None,
+        size_bytes: int | None = None,
+        ratio: float | None = None,
+        pin: bool | None = None,
+        knobs: TransferKnobs | None = None,
+    ) -> None:
+        self.device_pool = device_pool
+        self.size = host_size_for(device_pool, size=size, size_bytes=size_bytes, ratio=ratio)
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.tensor = torch.empty(
+            (self.size, device_pool.slot_bytes), dtype=torch.uint8, pin_memory=pin
+        )
+        self.buffers = slot_buffers(self.tensor, device_pool, arg="host")
+        self.allocator = SlotAllocator(self.size, name="host mamba")
+        self.knobs = knobs
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.device_pool.slot_bytes
+
+    def slot_views(self, slots: torch.Tensor) -> list[torch.Tensor]:
+        """Zero-copy 1-D uint8 views of each host slot's flat page (what L3 stores per key)."""
+        out = []
+        for s in slots.tolist():
+            if not 0 <= s < self.size:
+                raise ValueError(f"slots: slot {s} outside [0, {self.size})")
+            out.append(self.tensor[s])
+        return out
+
+    def backup(
+        self,
+        device_slots: torch.Tensor,
+        host_slots: torch.Tensor,
+        *,
+        layer: int | None = None,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
+        """Device → host of whole slot states (one launch per state component)."""
+        return _copy_slots(
+            self.device_pool,
+            self.buffers,
+            device_slots,
+            host_slots,
+            True,
+            layer,
+            self.knobs,
+            check,
+            impl,
+        )
+
+    def load(
+        self,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        *,
+        layer: int | None = None,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
+        """Host → device of slot states (all layers, or one layer for layer-wise load-back)."""
+        return _copy_slots(
+            self.device_pool,
+            self.buffers,
+            device_slots,
+            host_slots,
+            False,
+            layer,
+            self.knobs,
+            check,
+            impl,
+        )
+
+    def device_to_flat(
+        self,
+        device_slots: torch.Tensor,
+        flat: torch.Tensor,
+        *,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
+        """Fused D→flat: slot ``device_slots[i]`` into row ``i`` of ``flat`` ``[n, slot_bytes]``."""
+        rows = torch.arange(device_slots.numel(), dtype=torch.int64, device=device_slots.device)
+        bufs = slot_buffers(flat, self.device_pool)
+        return _copy_slots(
+            self.device_pool, bufs, device_slots, rows, True, None, self.knobs, check, impl
+        )
+
+    def flat_to_device(
+        self,
+        flat: torch.Tensor,
+        device_slots: torch.Tensor,
+        *,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
+        """Fused flat→D: row ``i`` of ``flat`` into slot ``device_slots[i]``."""
+        rows = torch.arange(device_slots.numel(), dtype=torch.int64, device=device_slots.device)
+        bufs = slot_buffers(flat, self.device_pool)
+        return _copy_slots(
+            self.device_pool, bufs, device_slots, rows, False, None, self.knobs, check, impl
+        )
