@@ -316,6 +316,13 @@ def main() -> None:
               for r in rows]
     if not isinstance(mc, list):
         lines += ["", f"Mooncake: {mc}"]
+    lines += [
+        "",
+        "Target: file backend >= 80% of raw in the same run. One file per page object costs a file",
+        "creation per put and an open per get; where creating a file is slow (line below) small",
+        "pages cannot approach one big sequential file. Raw figures on a VM disk vary a lot between",
+        "runs: compare rows of one run only.",
+    ]
     lines += ["", f"Creating one empty file (same run, after os.sync): {', '.join(creates)}.",
               "", (f"## Per-page cost, file backend on {args.dir[0]}, {args.profile_pages} pages "
               "of 4 KiB"), "", summary, "", "```", prof, "```", ""]
