@@ -19,7 +19,6 @@ operations, request helpers and the integrity check live in sibling modules as m
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -33,13 +32,14 @@ from kvtier.runtime.components import (
 )
 from kvtier.runtime.tree_evict import EvictionMixin
 from kvtier.runtime.tree_integrity import IntegrityMixin
-from kvtier.runtime.tree_node import TreeNode, child_key, match_len, page_align
+from kvtier.runtime.tree_node import TreeNode, child_key, match_len, token_tuple
 from kvtier.runtime.tree_requests import RequestCacheMixin
 from kvtier.runtime.tree_tiers import HostTierMixin
 from kvtier.runtime.tree_types import (
     HostPinHandle,
     InsertResult,
     LockHandle,
+    MambaCopy,
     MatchResult,
     TreeIntegrityError,
 )
@@ -81,7 +81,9 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         if not components or not isinstance(components[0], FullComponent):
             raise ValueError("components must start with a FullComponent")
         if eviction_policy not in ("lru", "priority"):
-            raise ValueError(f"eviction_policy must be 'lru' or 'priority', got {eviction_policy!r}")
+            raise ValueError(
+                f"eviction_policy must be 'lru' or 'priority', got {eviction_policy!r}"
+            )
         self.components = tuple(components)
         self.page_size = page_size
         self.eviction_policy = eviction_policy
@@ -281,10 +283,18 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         self._update_leaf(upper)
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: tuple, value: torch.Tensor, namespace: Hashable) -> TreeNode:
+    def _add_leaf(
+        self, parent: TreeNode, key: tuple, value: torch.Tensor, namespace: Hashable
+    ) -> TreeNode:
         leaf = TreeNode(key, parent, len(self.components), namespace)
         parent.children[self._child_key(leaf, key)] = leaf
-        self.set_device(leaf, 0, value.clone())
+        # The books of ``set_device`` without the leaf recomputation: a fresh leaf is unpinned
+        # and childless (a device leaf), and its parent now has a device child (not a leaf).
+        leaf.value[0] = value.clone()
+        self.evictable[0] += len(key)
+        self.device_leaves.add(leaf)
+        self.device_leaves.discard(parent)
+        self.host_leaves.discard(parent)
         return leaf
 
     def _detach(self, node: TreeNode) -> None:
@@ -303,57 +313,74 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
     # -- match ------------------------------------------------------------------------------
 
     def match_prefix(
-        self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None, *, read_only: bool = False
+        self,
+        token_ids: Sequence[int] | torch.Tensor,
+        namespace: Hashable = None,
+        *,
+        read_only: bool = False,
+        cow_mamba: bool = False,
     ) -> MatchResult:
         """Longest usable cached prefix of ``token_ids`` (truncated to whole pages).
 
         A partial match on a node (device or host-only) splits it so the boundary is a node.
-        ``read_only=True`` never splits and never refreshes LRU order: it stops before a
-        partially matched node, so its lengths are a lower bound of a regular match.
+        ``read_only=True`` never splits and never refreshes LRU order; its lengths and indices
+        equal a regular match's, but where a regular match would split a node the anchors are
+        that whole node, which extends past the match: do not lock a read-only result.
+
+        ``cow_mamba=True`` (MAMBA only): when ``last_device_node`` holds a device state, give
+        the request a state slot of its own and report the copy in ``mamba_cow`` (see
+        ``mamba_copy_on_write``).
         """
         P = self.page_size
-        tokens = page_align(token_ids, P)
+        tokens = token_tuple(token_ids)
+        total = len(tokens) - len(tokens) % P
         root = self.root
-        if not tokens:
+        child = root.children.get((namespace, tokens[0] if P == 1 else tokens[:P])) if total else None
+        if child is None:
             return MatchResult(_EMPTY, root, root)
         comps = self.components
         dev_validators = [c.validator(True) for c in comps]
         any_validators = [c.validator(False) for c in comps] if self.host_enabled else None
-        node, pos, total = root, 0, len(tokens)
+        pos = 0
         values: list[torch.Tensor] = []
         best = best_dev = root
-        n_dev_values = 0
-        ck = (namespace, tokens[0] if P == 1 else tokens[:P])
+        best_len = n_dev_values = 0
         while True:
-            child = node.children.get(ck)
-            if child is None:
-                break
-            klen = len(child.key)
-            n = match_len(child.key, tokens, pos, P)
-            if n < klen:
-                if read_only:
-                    break
-                child = self.split(child, n)
+            key = child.key
+            klen = len(key)
+            end = pos + klen
+            if end <= total and key == tokens[pos:end]:
+                n = klen
+            else:
+                n = match_len(key, tokens, pos, P, total)
+                if not read_only:
+                    child = self.split(child, n)
             value = child.value[0]
             if value is not None:
-                values.append(value)
+                values.append(value if n == klen else value[:n])
             # Every validator sees every node: they are stateful (SWA counts a window).
-            dev_ok = all(v(child, n) for v in dev_validators)
-            if any_validators is None:
-                if dev_ok:
-                    best = best_dev = child
-                    n_dev_values = len(values)
-            else:
-                if all(v(child, n) for v in any_validators):
-                    best = child
-                if dev_ok:
-                    best_dev = child
-                    n_dev_values = len(values)
-            node = child
+            dev_ok = True
+            for v in dev_validators:
+                if not v(child, n):
+                    dev_ok = False
+            if any_validators is not None:
+                any_ok = True
+                for v in any_validators:
+                    if not v(child, n):
+                        any_ok = False
+                if any_ok:
+                    best, best_len = child, n
+            if dev_ok:
+                best_dev = child
+                n_dev_values = len(values)
+                if any_validators is None:
+                    best, best_len = child, n
             pos += n
             if n < klen or pos >= total:
                 break
-            ck = tokens[pos] if P == 1 else tokens[pos : pos + P]
+            child = child.children.get(tokens[pos] if P == 1 else tokens[pos : pos + P])
+            if child is None:
+                break
         if n_dev_values == 0:
             indices = _EMPTY
         elif n_dev_values == 1:
@@ -364,12 +391,49 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             path = self._touch(best)
             for comp in self.aux:
                 comp.refresh(path)
-        if any_validators is None or best is best_dev:
+        mamba = self.mamba
+        if mamba is None and (any_validators is None or best is best_dev):
             return MatchResult(indices, best_dev, best)
-        hits = [c.finalize_match(best, best_dev) for c in comps]
+        hits = [0] * len(comps)
+        if best is not best_dev:
+            hits = [c.finalize_match(best, best_dev, best_len) for c in comps]
         swa_hit = hits[self.swa.slot] if self.swa is not None else 0
-        mamba_hit = hits[self.mamba.slot] if self.mamba is not None else 0
-        return MatchResult(indices, best_dev, best, hits[0], swa_hit, mamba_hit)
+        branching, cow = None, None
+        if mamba is not None:
+            if not self.host_enabled:
+                full_len = sum(len(v) for v in values)
+                branching = mamba.branching_seqlen(full_len, int(indices.numel()))
+            if cow_mamba and not read_only:
+                cow = self.mamba_copy_on_write(best_dev)
+            hits[mamba.slot] = mamba.finalize_match(best, best_dev, best_len)
+        return MatchResult(
+            indices, best_dev, best, hits[0], swa_hit, hits[mamba.slot] if mamba else 0, branching, cow
+        )
+
+    def mamba_copy_on_write(self, node: TreeNode, dst: torch.Tensor | None = None) -> MambaCopy | None:
+        """The copy that gives a request its own Mamba state starting from ``node``'s.
+
+        A request must not advance the tree's state in place, so it decodes from a copy. With
+        ``dst`` None a slot is allocated for the request; when the pool is full one unpinned
+        state is evicted first, with ``node`` pinned so its own state survives. Returns None
+        when ``node`` has no device state or no slot could be found. The caller owns ``dst``
+        (it becomes the request's ``mamba_slot``) and must copy ``src`` to it on device
+        (``MambaDevicePool.copy_slots(src, dst)``) while ``node`` is locked.
+        """
+        mamba = self.mamba
+        if mamba is None or node.parent is None or node.value[mamba.slot] is None:
+            return None
+        if dst is None:
+            pool = mamba.device_alloc
+            dst = pool.alloc(1)
+            if dst is None:
+                pin = self.lock(node)
+                self.evict(mamba=1)
+                self.unlock(pin)
+                dst = pool.alloc(1)
+                if dst is None:
+                    return None
+        return MambaCopy(node.value[mamba.slot].clone(), dst)
 
     # -- insert -----------------------------------------------------------------------------
 
@@ -401,21 +465,23 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         P = self.page_size
         if swa_evicted_seqlen % P:
             raise ValueError(f"swa_evicted_seqlen={swa_evicted_seqlen} is not a multiple of P={P}")
-        tokens = page_align(token_ids, P)
-        total = len(tokens)
+        tokens = token_tuple(token_ids)
+        total = len(tokens) - len(tokens) % P
         if value.numel() < total:
             raise ValueError(f"value has {value.numel()} slots for {total} tokens")
-        ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished)
-        node, pos = self.root, 0
         aux = self.aux
+        ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished) if aux else None
         root = self.root
-        while pos < total:
-            page = tokens[pos] if P == 1 else tokens[pos : pos + P]
-            child = node.children.get((namespace, page) if node is root else page)
-            if child is None:
-                break
-            n = match_len(child.key, tokens, pos, P)
-            if n < len(child.key):
+        node, pos = root, 0
+        child = root.children.get((namespace, tokens[0] if P == 1 else tokens[:P])) if total else None
+        while child is not None:
+            key = child.key
+            klen = len(key)
+            end = pos + klen
+            if end <= total and key == tokens[pos:end]:
+                n = klen
+            else:
+                n = match_len(key, tokens, pos, P, total)
                 child = self.split(child, n)
             for comp in aux:
                 cut = comp.insert_split_point(child, pos, n, ctx)
@@ -437,7 +503,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
                 consumed = n
                 for comp in aux:
                     consumed = min(consumed, comp.on_insert_overlap(child, pos, n, fresh, ctx))
-                if ctx.keep_from is not None:
+                if aux and ctx.keep_from is not None:
                     break
                 dup = max(0, prev_prefix_len - pos)
                 if dup < consumed:
@@ -445,19 +511,26 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             child.hit_count += 1
             node = child
             pos += n
+            if pos >= total:
+                break
+            # After a partial match this finds nothing (the tokens diverge from the lower piece).
+            child = node.children.get(tokens[pos] if P == 1 else tokens[pos : pos + P])
+        kept = ctx is None or ctx.keep_from is None
         prefix_len = pos
-        new_leaf = pos < total and ctx.keep_from is None
+        new_leaf = pos < total and kept
         if new_leaf:
-            node = self._add_leaf(node, tokens[pos:], value[pos:total], namespace)
+            node = self._add_leaf(node, tokens[pos:total], value[pos:total], namespace)
             node.priority = priority
-        if node is not self.root and ctx.keep_from is None:
+        if node is not root and kept:
             for comp in aux:
                 node = comp.commit_insert(node, new_leaf, ctx)
-        if node is not self.root:
+        if node is not root:
             path = self._touch(node)
             for comp in aux:
                 comp.refresh(path)
-        cached = total if ctx.keep_from is None else ctx.keep_from
+        if ctx is None:
+            return InsertResult(prefix_len, total, total, node)
+        cached = total if kept else ctx.keep_from
         return InsertResult(prefix_len, total, cached, node, ctx.mamba_exist, ctx.mamba_adopted)
 
     # -- device pins ------------------------------------------------------------------------
@@ -491,10 +564,25 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         """Release every pin ``handle`` holds."""
         handle = self.unlock_swa(handle)
         x = handle.node
-        while x.parent is not None:
-            if x.end <= handle.full_end:
-                self.dec_lock(x, 0)
+        while x.end > handle.full_end:
             x = x.parent
+        if x.parent is None:
+            return
+        self.dec_lock(x, 0)
+        # Every node above keeps a device child (the one just unpinned), so unpinning it cannot
+        # make it a device leaf: only the counters change.
+        x = x.parent
+        evictable = 0
+        while x.parent is not None:
+            count = x.lock[0] - 1
+            if count <= 0:
+                if count < 0:
+                    raise TreeIntegrityError(f"unpin of {x} component full: lock count would be -1")
+                evictable += len(x.key)
+            x.lock[0] = count
+            x = x.parent
+        self.evictable[0] += evictable
+        self.protected[0] -= evictable
 
     def unlock_swa(self, handle: LockHandle) -> LockHandle:
         """Release the SWA window pin early (decode moved past it); the FULL pin stays.
@@ -508,7 +596,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             self.dec_lock(handle.node, self.mamba.slot)
         if handle.swa_boundary is None and not handle.mamba:
             return handle
-        return dataclasses.replace(handle, swa_boundary=None, swa_skipped=(), mamba=False)
+        return handle._replace(swa_boundary=None, swa_skipped=(), mamba=False)
 
     def _pin_window(self, node: TreeNode, device: bool) -> tuple[int, tuple[tuple[int, int], ...]]:
         """Pin SWA data (device or host) on nodes above ``node`` until ``window`` tokens are

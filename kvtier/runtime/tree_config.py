@@ -23,6 +23,8 @@ class TreeConfig:
         swa_window: SWA window in tokens; None = no SWA component.
         swa_size: SWA device token slots (default ``kv_size``).
         mamba_size: Mamba device state slots; None = no MAMBA component.
+        mamba_chunk_size: tokens per chunk of the Mamba scan kernel; requests checkpoint
+            states on multiples of it (and of P), see ``MatchResult.mamba_branching_seqlen``.
         host_kv_size: FULL host token slots; None = no host tier.
         host_swa_size, host_mamba_size: aux host pools (default: as large as their device pool).
         eviction_policy: ``"lru"`` or ``"priority"``.
@@ -34,6 +36,7 @@ class TreeConfig:
     swa_window: int | None = None
     swa_size: int | None = None
     mamba_size: int | None = None
+    mamba_chunk_size: int = 64
     host_kv_size: int | None = None
     host_swa_size: int | None = None
     host_mamba_size: int | None = None
@@ -50,13 +53,17 @@ class TreeConfig:
             raise ValueError(f"swa_window must be positive, got {self.swa_window}")
         if self.swa_window is None and self.swa_size is not None:
             raise ValueError("swa_size given without swa_window")
+        if self.mamba_chunk_size <= 0:
+            raise ValueError(f"mamba_chunk_size must be positive, got {self.mamba_chunk_size}")
         for name in ("mamba_size", "host_mamba_size"):
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ValueError(f"{name} must be positive, got {v}")
 
 
-def build_tree(cfg: TreeConfig, write_back: Callable[[TreeNode], bool] | None = None) -> UnifiedRadixTree:
+def build_tree(
+    cfg: TreeConfig, write_back: Callable[[TreeNode], bool] | None = None
+) -> UnifiedRadixTree:
     """Pools and components for ``cfg``, wired into a tree. Pool names: kv, swa, mamba."""
     P = cfg.page_size
     host = cfg.host_kv_size is not None
@@ -69,11 +76,18 @@ def build_tree(cfg: TreeConfig, write_back: Callable[[TreeNode], bool] | None = 
     if cfg.swa_window is not None:
         host_swa = None
         if host:
-            host_swa = PageAllocator(cfg.host_swa_size or cfg.swa_size or cfg.kv_size, P, "host swa")
+            host_swa = PageAllocator(
+                cfg.host_swa_size or cfg.swa_size or cfg.kv_size, P, "host swa"
+            )
         comps.append(SWAComponent(cfg.swa_window, kv, host_swa))
     if cfg.mamba_size is not None:
-        host_mamba = SlotAllocator(cfg.host_mamba_size or cfg.mamba_size, "host mamba") if host else None
-        comps.append(MambaComponent("mamba", SlotAllocator(cfg.mamba_size, "mamba"), host_mamba))
+        host_mamba = (
+            SlotAllocator(cfg.host_mamba_size or cfg.mamba_size, "host mamba") if host else None
+        )
+        mamba = SlotAllocator(cfg.mamba_size, "mamba")
+        comps.append(
+            MambaComponent("mamba", mamba, host_mamba, page_size=P, chunk_size=cfg.mamba_chunk_size)
+        )
     return UnifiedRadixTree(
         comps,
         P,

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-__all__ = ["TreeNode", "child_key", "match_len", "page_align"]
+__all__ = ["TreeNode", "child_key", "match_len", "page_align", "token_tuple"]
 
 _ids = itertools.count()
 
@@ -96,14 +96,20 @@ class TreeNode:
         return f"TreeNode(id={self.id}, tokens=[{self.start}, {self.end}), children={len(self.children)})"
 
 
-def page_align(tokens: Sequence[int] | torch.Tensor, page_size: int) -> tuple:
-    """Token ids as a tuple, truncated to a multiple of ``page_size``."""
+def token_tuple(tokens: Sequence[int] | torch.Tensor) -> tuple:
+    """Token ids as a tuple (not truncated); a tuple is returned as is."""
+    if isinstance(tokens, tuple):
+        return tokens
     if isinstance(tokens, torch.Tensor):
         tokens = tokens.tolist()
-    n = len(tokens) // page_size * page_size
-    if isinstance(tokens, tuple):
-        return tokens if n == len(tokens) else tokens[:n]
-    return tuple(tokens[:n])
+    return tuple(tokens)
+
+
+def page_align(tokens: Sequence[int] | torch.Tensor, page_size: int) -> tuple:
+    """Token ids as a tuple, truncated to a multiple of ``page_size``."""
+    tokens = token_tuple(tokens)
+    n = len(tokens) - len(tokens) % page_size
+    return tokens if n == len(tokens) else tokens[:n]
 
 
 def child_key(tokens: tuple, pos: int, page_size: int, namespace: Hashable, at_root: bool) -> Hashable:
@@ -112,9 +118,10 @@ def child_key(tokens: tuple, pos: int, page_size: int, namespace: Hashable, at_r
     return (namespace, page) if at_root else page
 
 
-def match_len(key: tuple, tokens: tuple, pos: int, page_size: int) -> int:
-    """Length (a multiple of ``page_size``) of the common prefix of ``key`` and ``tokens[pos:]``."""
-    n = min(len(key), len(tokens) - pos)
+def match_len(key: tuple, tokens: tuple, pos: int, page_size: int, end: int | None = None) -> int:
+    """Length (a multiple of ``page_size``) of the common prefix of ``key`` and
+    ``tokens[pos:end]`` (``end`` defaults to ``len(tokens)``)."""
+    n = min(len(key), (len(tokens) if end is None else end) - pos)
     n -= n % page_size
     if key[:n] == tokens[pos : pos + n]:
         return n

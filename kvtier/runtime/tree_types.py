@@ -1,8 +1,8 @@
 """Result and handle types of the unified radix tree.
 
-Results are NamedTuples (cheap on the scheduler's hot path); handles and transfer descriptors are
-frozen dataclasses. Handles are opaque to callers: pass back exactly what ``lock``/``pin_host``
-returned.
+Results and the device ``LockHandle`` are NamedTuples (cheap on the scheduler's hot path); other
+handles and transfer descriptors are frozen dataclasses. Handles are opaque to callers: pass back
+exactly what ``lock``/``pin_host`` returned.
 
 Token positions (``end``, ``boundary``, skipped ranges) count tokens from the root. They are used
 instead of node ids because a split or a load-back never moves a token position, whereas a split
@@ -26,6 +26,7 @@ __all__ = [
     "InsertResult",
     "LoadBack",
     "LockHandle",
+    "MambaCopy",
     "MatchResult",
     "Transfer",
     "TreeIntegrityError",
@@ -53,6 +54,18 @@ class Transfer:
     direction: Literal["d2h", "h2d"]
 
 
+class MambaCopy(NamedTuple):
+    """A Mamba state copy the controller must issue (``MambaDevicePool.copy_slots(src, dst)``).
+
+    Attributes:
+        src: int64 ``[1]`` state slot to copy from.
+        dst: int64 ``[1]`` state slot to copy into.
+    """
+
+    src: torch.Tensor
+    dst: torch.Tensor
+
+
 class MatchResult(NamedTuple):
     """What ``match_prefix`` found.
 
@@ -64,6 +77,11 @@ class MatchResult(NamedTuple):
         host_hit_length: FULL tokens between the two anchors that are only on host.
         swa_host_hit_length: SWA tokens ``load_back`` would restore from host.
         mamba_host_hit_length: 1 when the anchor's Mamba state is only on host, else 0.
+        mamba_branching_seqlen: MAMBA without a host tier: the FULL match reaches past the
+            Mamba anchor, and this is the last position within it aligned to the Mamba
+            checkpoint grid; the request should checkpoint its state there and insert it, so
+            later requests can branch at it. None otherwise.
+        mamba_cow: with ``cow_mamba``: the request's own state slot and where to copy it from.
     """
 
     device_indices: torch.Tensor
@@ -72,6 +90,8 @@ class MatchResult(NamedTuple):
     host_hit_length: int = 0
     swa_host_hit_length: int = 0
     mamba_host_hit_length: int = 0
+    mamba_branching_seqlen: int | None = None
+    mamba_cow: MambaCopy | None = None
 
     @property
     def device_len(self) -> int:
@@ -107,8 +127,7 @@ class EvictResult(NamedTuple):
     mamba: int = 0
 
 
-@dataclass(frozen=True)
-class LockHandle:
+class LockHandle(NamedTuple):
     """A device pin (reference count) taken by ``lock``; release it with ``unlock``.
 
     Attributes:

@@ -189,10 +189,14 @@ def test_read_only_match_never_splits(h: Harness) -> None:
     h.insert(A)
     probe = A[:P] + h.tokens(1)
     n_nodes = len(h.tree.all_nodes())
-    r = h.tree.match_prefix(probe, read_only=True)
-    assert len(h.tree.all_nodes()) == n_nodes and r.device_len == 0
-    h.tree.match_prefix(probe)
+    ro = h.tree.match_prefix(probe, read_only=True)
+    assert len(h.tree.all_nodes()) == n_nodes
+    reg = h.tree.match_prefix(probe)
     assert len(h.tree.all_nodes()) == n_nodes + 1
+    # Same answer as the splitting match: one page unless MAMBA (no state inside a node).
+    assert ro.device_len == reg.device_len == (0 if h.tree.mamba is not None else P)
+    assert torch.equal(ro.device_indices, reg.device_indices)
+    assert torch.equal(ro.device_indices, h.tree.match_prefix(A).device_indices[: ro.device_len])
     h.check()
 
 

@@ -129,13 +129,18 @@ class TreeComponent(ABC):
     def validator(self, device_only: bool) -> Validator:
         """A fresh (possibly stateful) validator, called root-down on each node of the path."""
 
-    def finalize_match(self, best: TreeNode, best_device: TreeNode) -> int:
-        """This component's host hit length for the match ending at the two anchors."""
+    def finalize_match(self, best: TreeNode, best_device: TreeNode, best_len: int) -> int:
+        """This component's host hit length for the match ending at the two anchors.
+
+        ``best_len`` is how many of ``best``'s tokens the match covers: ``len(best.key)``,
+        or fewer when a read-only match ended inside ``best`` without splitting it."""
         return 0
 
     # -- insert ----------------------------------------------------------------------------
 
-    def insert_split_point(self, node: TreeNode, pos: int, n: int, ctx: InsertContext) -> int | None:
+    def insert_split_point(
+        self, node: TreeNode, pos: int, n: int, ctx: InsertContext
+    ) -> int | None:
         """Offset in ``(0, n)`` where the insert should split ``node`` first, or None."""
         return None
 

@@ -36,14 +36,15 @@ class FullComponent(TreeComponent):
         # A non-root node always has FULL data somewhere, so device-or-host accepts every node.
         return _on_device if device_only else _anywhere
 
-    def finalize_match(self, best: TreeNode, best_device: TreeNode) -> int:
+    def finalize_match(self, best: TreeNode, best_device: TreeNode, best_len: int) -> int:
         """FULL tokens from ``best`` up to (excluding) ``best_device`` that are only on host."""
-        hit = 0
+        hit, length = 0, best_len
         node = best
         while node is not best_device:
             if node.value[0] is None:
-                hit += len(node.key)
+                hit += length
             node = node.parent
+            length = len(node.key)
         return hit
 
     def split(self, parent: TreeNode, child: TreeNode, at: int) -> None:

@@ -7,11 +7,12 @@ taken on the anchor alone. Device and host LRU lists order its eviction.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.components.base import InsertContext, TreeComponent, Validator
+from kvtier.runtime.components.base import Allocator, InsertContext, TreeComponent, Validator
 
 if TYPE_CHECKING:
     from kvtier.runtime.tree_node import TreeNode
@@ -24,6 +25,23 @@ class MambaComponent(TreeComponent):
 
     kind = "mamba"
     internal_priority = 0
+
+    def __init__(
+        self,
+        name: str,
+        device_alloc: Allocator,
+        host_alloc: Allocator | None = None,
+        *,
+        page_size: int = 1,
+        chunk_size: int = 64,
+    ) -> None:
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        super().__init__(name, device_alloc, host_alloc)
+        self.chunk_size = chunk_size
+        #: positions where a request can checkpoint a state that a node can hold: multiples of
+        #: the kernel's chunk (states exist there) and of the page (nodes end there).
+        self.grid = math.lcm(chunk_size, page_size)
 
     def amount(self, node: TreeNode) -> int:
         return 1
@@ -39,7 +57,15 @@ class MambaComponent(TreeComponent):
 
         return has_state
 
-    def finalize_match(self, best: TreeNode, best_device: TreeNode) -> int:
+    def branching_seqlen(self, full_len: int, state_len: int) -> int | None:
+        """Where a request should checkpoint its state so later requests can branch there.
+
+        ``full_len``: FULL tokens matched on device; ``state_len``: where the matched state
+        ends. The last grid position within the FULL match, if it lies past the state."""
+        aligned = full_len - full_len % self.grid
+        return aligned if aligned > state_len else None
+
+    def finalize_match(self, best: TreeNode, best_device: TreeNode, best_len: int) -> int:
         # 1 asks the caller to load the anchor's state back from host.
         if best.parent is None or best.value[self.slot] is not None:
             return 0

@@ -89,29 +89,28 @@ class SWAComponent(TreeComponent):
 
         return window_resident
 
-    def finalize_match(self, best: TreeNode, best_device: TreeNode) -> int:
+    def finalize_match(self, best: TreeNode, best_device: TreeNode, best_len: int) -> int:
         """SWA tokens ``load_back`` would restore for ``best``: host-only SWA within the window."""
-        s, hit, covered = self.slot, 0, 0
+        s, hit, covered, length = self.slot, 0, 0, best_len
         node = best
         while node.parent is not None and covered < self.window:
             if node.value[s] is None:
                 if node.host_value[s] is None:
                     break
-                hit += len(node.key)
-            covered += len(node.key)
+                hit += length
+            covered += length
             node = node.parent
+            length = len(node.key)
         return hit
 
     # -- insert ----------------------------------------------------------------------------
 
     def _restorable(self, node: TreeNode, pos: int, ctx: InsertContext) -> bool:
-        return (
-            node.value[self.slot] is None
-            and pos >= ctx.prev_prefix_len
-            and node.lock[0] == 0
-        )
+        return node.value[self.slot] is None and pos >= ctx.prev_prefix_len and node.lock[0] == 0
 
-    def insert_split_point(self, node: TreeNode, pos: int, n: int, ctx: InsertContext) -> int | None:
+    def insert_split_point(
+        self, node: TreeNode, pos: int, n: int, ctx: InsertContext
+    ) -> int | None:
         b = ctx.swa_evicted_seqlen
         if pos < b < pos + n and self._restorable(node, pos, ctx):
             return b - pos
@@ -121,7 +120,11 @@ class SWAComponent(TreeComponent):
         self, node: TreeNode, pos: int, n: int, fresh: torch.Tensor, ctx: InsertContext
     ) -> int:
         s = self.slot
-        if node.value[s] is not None or pos < ctx.prev_prefix_len or pos + n <= ctx.swa_evicted_seqlen:
+        if (
+            node.value[s] is not None
+            or pos < ctx.prev_prefix_len
+            or pos + n <= ctx.swa_evicted_seqlen
+        ):
             return n
         if not self._restorable(node, pos, ctx) or pos < ctx.swa_evicted_seqlen:
             # A pinned tombstone keeps its FULL slots (a reader may use them), so it cannot take
@@ -137,7 +140,9 @@ class SWAComponent(TreeComponent):
 
     def on_unevict(self, node: TreeNode, pos: int, fresh: torch.Tensor, ctx: InsertContext) -> None:
         if pos >= ctx.swa_evicted_seqlen:
-            self.books.set_device(node, self.slot, self.translate(fresh, f"tokens [{pos}, {node.end})"))
+            self.books.set_device(
+                node, self.slot, self.translate(fresh, f"tokens [{pos}, {node.end})")
+            )
 
     def commit_insert(self, target: TreeNode, new_leaf: bool, ctx: InsertContext) -> TreeNode:
         if not new_leaf:
