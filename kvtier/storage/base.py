@@ -102,7 +102,9 @@ def _best_under(flags: Sequence[bool], policy: HitPolicy, bound: int) -> int:
     n, length = policy.trailing, bound
     while length > 0:
         # A missing page j rules out every prefix whose trailing window holds it: j+1..j+n.
-        missing = next((j for j in range(length - 1, max(0, length - n) - 1, -1) if not flags[j]), -1)
+        missing = next(
+            (j for j in range(length - 1, max(0, length - n) - 1, -1) if not flags[j]), -1
+        )
         if missing < 0:
             return length
         length = missing
@@ -196,7 +198,9 @@ class StorageBackend(ABC):
             return 0
         lengths = {len(t.keys) for t in transfers}
         if len(lengths) != 1:
-            raise ValueError(f"exists needs the same page count in every pool, got {sorted(lengths)}")
+            raise ValueError(
+                f"exists needs the same page count in every pool, got {sorted(lengths)}"
+            )
         names = [self.scope.object_keys(t.keys, t.pool) for t in transfers]
         flat = [k for keys in names for k in keys]
         try:
@@ -237,7 +241,9 @@ class StorageBackend(ABC):
         self._check_buffers(pages)
         start = time.perf_counter()
         try:
-            done = self._read(keys, pages) if direction is Direction.READ else self._write(keys, pages)
+            done = (
+                self._read(keys, pages) if direction is Direction.READ else self._write(keys, pages)
+            )
         except Exception:
             log.exception("%s: %s of %d pages failed", self.name, direction.value, len(keys))
             done = [False] * len(keys)

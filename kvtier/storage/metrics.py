@@ -121,23 +121,54 @@ class StorageMetrics:
 
         tiers = [t.value for t in Tier]
         pairs = [(t, d.value) for t in tiers for d in Direction]
-        family("hit_tokens_total", "counter", "Prefix tokens served from each tier.",
-               [(f'{{tier="{t}"}}', s[f"hit_tokens.{t}"]) for t in tiers])
-        family("transfer_bytes_total", "counter", "Bytes moved to (write) or from (read) a tier.",
-               [(f'{{tier="{t}",direction="{d}"}}', s[f"bytes.{t}.{d}"]) for t, d in pairs])
-        family("transfer_seconds_total", "counter", "Wall seconds spent moving those bytes.",
-               [(f'{{tier="{t}",direction="{d}"}}', s[f"seconds.{t}.{d}"]) for t, d in pairs])
-        family("transfer_gbps", "gauge", "Bytes over seconds of the two counters above, in GB/s.",
-               [(f'{{tier="{t}",direction="{d}"}}', s[f"gbps.{t}.{d}"]) for t, d in pairs])
-        family("prefetch_total", "counter", "Prefetches by how they ended.",
-               [(f'{{outcome="{o.value}"}}', s[f"prefetch.{o.value}"]) for o in PrefetchOutcome])
-        family("storage_failed_pages_total", "counter", "Pages a storage backend failed to move.",
-               [(f'{{direction="{d.value}"}}', s[f"failed_pages.{d.value}"]) for d in Direction])
-        family("storage_checksum_miss_pages_total", "counter",
-               "Pages whose checksum did not match on read; never served.",
-               [("", s["checksum_miss_pages"])])
-        family("backup_failures_total", "counter", "Pages whose L3 backup failed after retries.",
-               [("", s["backup_failures"])])
+        family(
+            "hit_tokens_total",
+            "counter",
+            "Prefix tokens served from each tier.",
+            [(f'{{tier="{t}"}}', s[f"hit_tokens.{t}"]) for t in tiers],
+        )
+        family(
+            "transfer_bytes_total",
+            "counter",
+            "Bytes moved to (write) or from (read) a tier.",
+            [(f'{{tier="{t}",direction="{d}"}}', s[f"bytes.{t}.{d}"]) for t, d in pairs],
+        )
+        family(
+            "transfer_seconds_total",
+            "counter",
+            "Wall seconds spent moving those bytes.",
+            [(f'{{tier="{t}",direction="{d}"}}', s[f"seconds.{t}.{d}"]) for t, d in pairs],
+        )
+        family(
+            "transfer_gbps",
+            "gauge",
+            "Bytes over seconds of the two counters above, in GB/s.",
+            [(f'{{tier="{t}",direction="{d}"}}', s[f"gbps.{t}.{d}"]) for t, d in pairs],
+        )
+        family(
+            "prefetch_total",
+            "counter",
+            "Prefetches by how they ended.",
+            [(f'{{outcome="{o.value}"}}', s[f"prefetch.{o.value}"]) for o in PrefetchOutcome],
+        )
+        family(
+            "storage_failed_pages_total",
+            "counter",
+            "Pages a storage backend failed to move.",
+            [(f'{{direction="{d.value}"}}', s[f"failed_pages.{d.value}"]) for d in Direction],
+        )
+        family(
+            "storage_checksum_miss_pages_total",
+            "counter",
+            "Pages whose checksum did not match on read; never served.",
+            [("", s["checksum_miss_pages"])],
+        )
+        family(
+            "backup_failures_total",
+            "counter",
+            "Pages whose L3 backup failed after retries.",
+            [("", s["backup_failures"])],
+        )
         return "\n".join(lines) + "\n"
 
     @staticmethod

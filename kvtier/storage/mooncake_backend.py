@@ -60,7 +60,10 @@ class MooncakeConfig:
     local_hostname: address other clients reach this one at (and ``MC_TCP_BIND_ADDRESS``).
     protocol: ``"tcp"``, or ``"rdma"`` with ``device_name``.
     device_name: RDMA devices (comma-separated); empty for TCP.
-    global_segment_size: bytes of memory this client contributes to the distributed pool.
+    global_segment_size: bytes of memory this client contributes to the distributed pool. Objects
+        live in the segments of the clients that mounted them and vanish when that client exits;
+        for pages that outlive the serving process, run a standalone ``mooncake_client`` with the
+        memory and set 0 here.
     local_buffer_size: bytes of the client's own staging buffer (unused on the zero-copy path).
     connect_timeout_s: bound on reaching the master at start-up.
     """
@@ -80,8 +83,8 @@ class MooncakeConfig:
             raise ValueError(f"master_address must be host:port, got {self.master_address!r}")
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError(f"protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
-        if self.global_segment_size <= 0 or self.local_buffer_size <= 0:
-            raise ValueError("global_segment_size and local_buffer_size must be positive")
+        if self.global_segment_size < 0 or self.local_buffer_size <= 0:
+            raise ValueError("need global_segment_size >= 0 and local_buffer_size > 0")
 
 
 class _Arenas:
@@ -205,7 +208,9 @@ class MooncakeBackend(StorageBackend):
     def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
         out: list[bool] = []
         for lo in range(0, len(object_keys), _ARENA_PAGES):
-            out += self._read_chunk(object_keys[lo : lo + _ARENA_PAGES], pages[lo : lo + _ARENA_PAGES])
+            out += self._read_chunk(
+                object_keys[lo : lo + _ARENA_PAGES], pages[lo : lo + _ARENA_PAGES]
+            )
         return out
 
     def _read_chunk(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
@@ -237,7 +242,9 @@ class MooncakeBackend(StorageBackend):
     def _write(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
         out: list[bool] = []
         for lo in range(0, len(object_keys), _ARENA_PAGES):
-            out += self._write_chunk(object_keys[lo : lo + _ARENA_PAGES], pages[lo : lo + _ARENA_PAGES])
+            out += self._write_chunk(
+                object_keys[lo : lo + _ARENA_PAGES], pages[lo : lo + _ARENA_PAGES]
+            )
         return out
 
     def _write_chunk(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
@@ -275,8 +282,10 @@ class MooncakeBackend(StorageBackend):
         """Unregister buffers and close the client; returns at once if the master is gone."""
         store = self._store
         if not self._master_answers():
-            log.warning("mooncake master %s is unreachable; leaving the client to process exit",
-                        self.config.master_address)
+            log.warning(
+                "mooncake master %s is unreachable; leaving the client to process exit",
+                self.config.master_address,
+            )
             _PARKED.append(store)
             return
         for arena in self._arenas.all():

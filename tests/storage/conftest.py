@@ -101,6 +101,33 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     stop_master(master)
 
 
+@pytest.fixture(scope="session")
+def segment_holder(mooncake_master: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A standalone ``mooncake_client`` lending 64 MiB to the session master, so objects outlive
+    the processes that wrote them; yields the master's address."""
+    binary = shutil.which("mooncake_client")
+    if binary is None:
+        _unavailable("mooncake_client is not on PATH")
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("holder") / "mooncake_client.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [binary, f"--master_server_address={mooncake_master}", "--host=127.0.0.1",
+             f"--port={port}", "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
+             "--global_segment_size=64MB"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + MASTER_START_TIMEOUT_S
+    while "Starting real client service" not in log_path.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"mooncake_client did not start: {log_path.read_text()[-2000:]}")
+        time.sleep(0.05)
+    yield mooncake_master
+    proc.kill()
+    proc.wait(timeout=10)
+
+
 @pytest.fixture
 def fresh_master(mooncake_master: str, tmp_path: Path) -> Iterator[Master]:
     """A master of this test's own, for tests that kill it; stopped at the end if still alive."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -100,3 +102,25 @@ def test_master_killed_mid_operation(fresh_master) -> None:
         start = time.monotonic()
         backend.close()
         assert time.monotonic() - start < 3, "close must not wait on a dead master"
+
+
+def test_objects_outlive_the_writer_process(segment_holder: str, mooncake_backend, make_pages) -> None:
+    """A writer lending no memory (segment 0) stores into the standalone client's segment, so a
+    reader finds the pages after the writer has exited."""
+    code = (
+        "import sys, torch\n"
+        "from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes\n"
+        "b = create_backend('mooncake', master_address=sys.argv[1], global_segment_size=0)\n"
+        "pool = (torch.arange(4 * 1024) % 251).to(torch.uint8)\n"
+        "b.register_host_buffer(pool)\n"
+        "h = page_hashes(range(16), Namespace('test-model', 'bfloat16', 4, 'page_first'))\n"
+        "assert b.set([PoolTransfer('kv', h, list(pool.view(4, 1024).unbind(0)))]).all_ok\n"
+        "b.close()\n"
+    )
+    subprocess.run([sys.executable, "-c", code, segment_holder], check=True, timeout=60,
+                   capture_output=True)
+    out = make_pages(4, 1024)
+    h = page_hashes(range(16), NS)
+    assert mooncake_backend.get([PoolTransfer("kv", h, out)]).all_ok
+    assert torch.equal(torch.cat(out), (torch.arange(4 * 1024) % 251).to(torch.uint8))
+    mooncake_backend.clear()
