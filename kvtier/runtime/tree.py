@@ -32,7 +32,7 @@ from kvtier.runtime.components import (
 )
 from kvtier.runtime.tree_evict import EvictionMixin
 from kvtier.runtime.tree_integrity import IntegrityMixin
-from kvtier.runtime.tree_node import TreeNode, child_key, match_len, token_tuple
+from kvtier.runtime.tree_node import TreeNode, child_key, match_len, token_list
 from kvtier.runtime.tree_requests import RequestCacheMixin
 from kvtier.runtime.tree_tiers import HostTierMixin
 from kvtier.runtime.tree_types import (
@@ -116,7 +116,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         self._clock = 0
 
     def _new_root(self) -> TreeNode:
-        root = TreeNode((), None, len(self.components))
+        root = TreeNode([], None, len(self.components))
         root.value[0] = _EMPTY
         root.lock = [1] * len(self.components)
         root.priority = -(2**62)
@@ -257,7 +257,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
 
     # -- structure --------------------------------------------------------------------------
 
-    def _child_key(self, node: TreeNode, key: tuple) -> Hashable:
+    def _child_key(self, node: TreeNode, key: list[int]) -> Hashable:
         return child_key(key, 0, self.page_size, node.namespace, node.parent.parent is None)
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
@@ -284,7 +284,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         return upper
 
     def _add_leaf(
-        self, parent: TreeNode, key: tuple, value: torch.Tensor, namespace: Hashable
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, namespace: Hashable
     ) -> TreeNode:
         leaf = TreeNode(key, parent, len(self.components), namespace)
         parent.children[self._child_key(leaf, key)] = leaf
@@ -332,10 +332,10 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         ``mamba_copy_on_write``).
         """
         P = self.page_size
-        tokens = token_tuple(token_ids)
+        tokens = token_list(token_ids)
         total = len(tokens) - len(tokens) % P
         root = self.root
-        child = root.children.get((namespace, tokens[0] if P == 1 else tokens[:P])) if total else None
+        child = root.children.get((namespace, tokens[0] if P == 1 else tuple(tokens[:P]))) if total else None
         if child is None:
             return MatchResult(_EMPTY, root, root)
         comps = self.components
@@ -378,7 +378,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             pos += n
             if n < klen or pos >= total:
                 break
-            child = child.children.get(tokens[pos] if P == 1 else tokens[pos : pos + P])
+            child = child.children.get(tokens[pos] if P == 1 else tuple(tokens[pos : pos + P]))
             if child is None:
                 break
         if n_dev_values == 0:
@@ -465,7 +465,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         P = self.page_size
         if swa_evicted_seqlen % P:
             raise ValueError(f"swa_evicted_seqlen={swa_evicted_seqlen} is not a multiple of P={P}")
-        tokens = token_tuple(token_ids)
+        tokens = token_list(token_ids)
         total = len(tokens) - len(tokens) % P
         if value.numel() < total:
             raise ValueError(f"value has {value.numel()} slots for {total} tokens")
@@ -473,7 +473,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished) if aux else None
         root = self.root
         node, pos = root, 0
-        child = root.children.get((namespace, tokens[0] if P == 1 else tokens[:P])) if total else None
+        child = root.children.get((namespace, tokens[0] if P == 1 else tuple(tokens[:P]))) if total else None
         while child is not None:
             key = child.key
             klen = len(key)
@@ -514,7 +514,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             if pos >= total:
                 break
             # After a partial match this finds nothing (the tokens diverge from the lower piece).
-            child = node.children.get(tokens[pos] if P == 1 else tokens[pos : pos + P])
+            child = node.children.get(tokens[pos] if P == 1 else tuple(tokens[pos : pos + P]))
         kept = ctx is None or ctx.keep_from is None
         prefix_len = pos
         new_leaf = pos < total and kept

@@ -37,7 +37,9 @@ class IntegrityMixin:
             stack.extend(node.children.values())
         return nodes
 
-    def check_integrity(self: UnifiedRadixTree, request_owned: Mapping[str, int] | None = None) -> None:
+    def check_integrity(
+        self: UnifiedRadixTree, request_owned: Mapping[str, int] | None = None
+    ) -> None:
         """Raise ``TreeIntegrityError`` naming the first broken invariant, with the numbers.
 
         Args:
@@ -46,7 +48,7 @@ class IntegrityMixin:
         """
         request_owned = request_owned or {}
         root = self.root
-        if root.value[0] is None or root.lock[0] < 1 or root.key != ():
+        if root.value[0] is None or root.lock[0] < 1 or root.key:
             _fail(f"root broken: value={root.value[0]}, lock={root.lock[0]}, key={root.key}")
         nodes = self.all_nodes()
         reachable = set(nodes)
@@ -72,7 +74,9 @@ class IntegrityMixin:
             for name, lru in (("device", comp.device_lru), ("host", comp.host_lru)):
                 stray = [n for n in lru.values() if n not in reachable]
                 if stray:
-                    _fail(f"{comp.name}: {len(stray)} unreachable nodes in the {name} LRU, e.g. {stray[0]}")
+                    _fail(
+                        f"{comp.name}: {len(stray)} unreachable nodes in the {name} LRU, e.g. {stray[0]}"
+                    )
         self._check_pools(device_owned, host_owned, request_owned)
 
     def _check_node(
@@ -117,7 +121,9 @@ class IntegrityMixin:
             for tier, data, owned in (("device", dev, device_owned), ("host", host, host_owned)):
                 if data is not None:
                     if data.numel() != amount:
-                        _fail(f"{node}: {comp.name} {tier} has {data.numel()} slots, expected {amount}")
+                        _fail(
+                            f"{node}: {comp.name} {tier} has {data.numel()} slots, expected {amount}"
+                        )
                     owned[s].append(data)
             if dev is not None:
                 if lock:

@@ -1,8 +1,9 @@
 """Radix tree nodes and page-aligned keys.
 
-A key is a tuple of token ids, truncated to whole pages of ``P`` tokens. Children are found by
-their first page: the child-dict key is ``key[:P]`` as a tuple (one token id, as an int, when
-P = 1). Under the root the namespace (LoRA id, cache salt) is part of the child key, so two
+A key is a list of token ids, truncated to whole pages of ``P`` tokens. It is a list because
+schedulers hold token ids in lists: a request's tokens are compared slice by slice with node keys
+and never converted whole. Children are found by their first page: the child-dict key is
+``tuple(key[:P])`` (one token id, as an int, when P = 1). Under the root the namespace (LoRA id, cache salt) is part of the child key, so two
 namespaces never share a node; below the root every node inherits its namespace.
 
 Per-component data lives in parallel lists indexed by the component's slot (FULL is slot 0):
@@ -20,7 +21,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-__all__ = ["TreeNode", "child_key", "match_len", "page_align", "token_tuple"]
+__all__ = ["TreeNode", "child_key", "match_len", "page_align", "token_list"]
 
 _ids = itertools.count()
 
@@ -53,7 +54,7 @@ class TreeNode:
 
     def __init__(
         self,
-        key: tuple,
+        key: list[int],
         parent: TreeNode | None,
         num_components: int,
         namespace: Hashable = None,
@@ -96,29 +97,28 @@ class TreeNode:
         return f"TreeNode(id={self.id}, tokens=[{self.start}, {self.end}), children={len(self.children)})"
 
 
-def token_tuple(tokens: Sequence[int] | torch.Tensor) -> tuple:
-    """Token ids as a tuple (not truncated); a tuple is returned as is."""
-    if isinstance(tokens, tuple):
+def token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:
+    """Token ids as a list (not truncated); a list is returned as is, not copied."""
+    if isinstance(tokens, list):
         return tokens
     if isinstance(tokens, torch.Tensor):
-        tokens = tokens.tolist()
-    return tuple(tokens)
+        return tokens.tolist()
+    return list(tokens)
 
 
-def page_align(tokens: Sequence[int] | torch.Tensor, page_size: int) -> tuple:
-    """Token ids as a tuple, truncated to a multiple of ``page_size``."""
-    tokens = token_tuple(tokens)
-    n = len(tokens) - len(tokens) % page_size
-    return tokens if n == len(tokens) else tokens[:n]
+def page_align(tokens: Sequence[int] | torch.Tensor, page_size: int) -> list[int]:
+    """Token ids as a list, truncated to a multiple of ``page_size``."""
+    tokens = token_list(tokens)
+    return tokens[: len(tokens) - len(tokens) % page_size]
 
 
-def child_key(tokens: tuple, pos: int, page_size: int, namespace: Hashable, at_root: bool) -> Hashable:
+def child_key(tokens: list[int], pos: int, page_size: int, namespace: Hashable, at_root: bool) -> Hashable:
     """The child-dict key of the page starting at ``pos``."""
-    page = tokens[pos] if page_size == 1 else tokens[pos : pos + page_size]
+    page = tokens[pos] if page_size == 1 else tuple(tokens[pos : pos + page_size])
     return (namespace, page) if at_root else page
 
 
-def match_len(key: tuple, tokens: tuple, pos: int, page_size: int, end: int | None = None) -> int:
+def match_len(key: list[int], tokens: list[int], pos: int, page_size: int, end: int | None = None) -> int:
     """Length (a multiple of ``page_size``) of the common prefix of ``key`` and
     ``tokens[pos:end]`` (``end`` defaults to ``len(tokens)``)."""
     n = min(len(key), (len(tokens) if end is None else end) - pos)
