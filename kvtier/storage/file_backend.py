@@ -8,9 +8,11 @@ Bytes move with ``os.writev`` / ``os.readv`` straight between the page buffer an
 header and the page are two iovecs of one syscall, with no Python-side copy.
 
 Existence is answered from an in-memory index (key -> size, in least-recently-used order) built by
-scanning the directory at start-up (oldest mtime first). ``get`` refreshes a key's recency;
-``exists`` does not. With ``capacity_bytes`` set, a write first evicts least-recently-used files
-until the new file fits. One mutex guards the index; file IO runs outside it.
+scanning the directory at start-up (oldest mtime first). A key the index lacks costs one ``stat``,
+so files that other processes sharing the directory wrote later (TP ranks, a producer) are found
+and indexed. ``get`` refreshes a key's recency; ``exists`` does not. With ``capacity_bytes`` set,
+a write first evicts least-recently-used files until the new file fits; each process enforces it
+over the files it knows. One mutex guards the index; file IO runs outside it.
 """
 
 from __future__ import annotations
@@ -125,16 +127,35 @@ class FileBackend(StorageBackend):
 
     # -- StorageBackend ----------------------------------------------------------------------------
 
-    def _contains(self, object_keys: list[str]) -> list[bool]:
-        with self._mutex:
-            return [k in self._index for k in object_keys]
-
-    def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+    def _lookup(self, object_keys: list[str], touch: bool) -> list[int | None]:
+        """File size per key, from the index, else from the directory (files other processes
+        wrote since start-up, e.g. rank 0's replicated pages), which are then indexed."""
         with self._mutex:
             sizes = [self._index.get(k) for k in object_keys]
-            for k, size in zip(object_keys, sizes):
-                if size is not None:
-                    self._index.move_to_end(k)
+            if touch:
+                for k, size in zip(object_keys, sizes):
+                    if size is not None:
+                        self._index.move_to_end(k)
+        found = {}
+        for i, (k, size) in enumerate(zip(object_keys, sizes)):
+            if size is None:
+                try:
+                    sizes[i] = found[k] = os.stat(self._path(k)).st_size
+                except OSError:
+                    pass
+        if found:
+            with self._mutex:
+                for k, size in found.items():
+                    if k not in self._index:
+                        self._index[k] = size
+                        self._stored += size
+        return sizes
+
+    def _contains(self, object_keys: list[str]) -> list[bool]:
+        return [size is not None for size in self._lookup(object_keys, touch=False)]
+
+    def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+        sizes = self._lookup(object_keys, touch=True)
         header = bytearray(HEADER_SIZE)
         out = []
         bad = 0

@@ -156,3 +156,18 @@ def test_config_validates(root: Path) -> None:
         create_backend("file", root=root, capacity_bytes=0)
     with pytest.raises(TypeError):
         create_backend("file", root=root, no_such_option=1)
+
+
+def test_sees_files_other_processes_write_later(root: Path) -> None:
+    """Rank 1 reads the replicated pages rank 0 writes after rank 1 started."""
+    rank1 = create_backend("file", root=root, scope=KeyScope(tp_rank=1, tp_size=2, replicated=True))
+    rank0 = create_backend("file", root=root, scope=KeyScope(tp_rank=0, tp_size=2, replicated=True))
+    h = page_hashes(range(8), NS)
+    assert rank1.exists([PoolTransfer("kv", h)]) == 0
+    src = pages(2, 8)
+    assert rank0.set([PoolTransfer("kv", h, src)]).all_ok
+    assert rank1.exists([PoolTransfer("kv", h)]) == 2
+    out = empty(2)
+    assert rank1.get([PoolTransfer("kv", h, out)]).all_ok
+    assert all(torch.equal(a, b) for a, b in zip(out, src))
+    assert rank1.used_bytes == 2 * (HEADER_SIZE + PAGE)
