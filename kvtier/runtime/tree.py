@@ -327,9 +327,9 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         equal a regular match's, but where a regular match would split a node the anchors are
         that whole node, which extends past the match: do not lock a read-only result.
 
-        ``cow_mamba=True`` (MAMBA only): when ``last_device_node`` holds a device state, give
-        the request a state slot of its own and report the copy in ``mamba_cow`` (see
-        ``mamba_copy_on_write``).
+        ``cow_mamba=True`` (MAMBA only, not read-only): when ``last_device_node`` holds a device
+        state, give the request a state slot of its own and report the copy in ``mamba_cow``
+        (see ``mamba_copy_on_write``).
         """
         P = self.page_size
         tokens = token_list(token_ids)
@@ -424,15 +424,13 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         if mamba is None or node.parent is None or node.value[mamba.slot] is None:
             return None
         if dst is None:
-            pool = mamba.device_alloc
-            dst = pool.alloc(1)
+            dst = mamba.device_alloc.alloc(1)
+        if dst is None:
+            pin = self.lock(node)
+            dst = self._alloc_mamba_slot()
+            self.unlock(pin)
             if dst is None:
-                pin = self.lock(node)
-                self.evict(mamba=1)
-                self.unlock(pin)
-                dst = pool.alloc(1)
-                if dst is None:
-                    return None
+                return None
         return MambaCopy(node.value[mamba.slot].clone(), dst)
 
     # -- insert -----------------------------------------------------------------------------

@@ -7,6 +7,10 @@ pinned with ``lock``. Caching hands the page-aligned part to the tree and frees 
     [0, protected)        tree-owned, pinned by req.lock      untouched
     [protected, aligned)  request-owned, inserted             tree keeps them or frees duplicates
     [aligned, len(row))   request-owned, unaligned tail       freed (finished requests only)
+
+A request's Mamba state summarises all of ``token_ids``, so the tree takes it only where the
+tokens end on a page boundary (a node can hold it there): a finished request hands its slot
+over, a running one donates a copy (``cache_unfinished_req`` returns the copy to issue).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.tree_types import InsertResult, LockHandle
+from kvtier.runtime.tree_types import InsertResult, LockHandle, MambaCopy
 
 if TYPE_CHECKING:
     from kvtier.runtime.tree import UnifiedRadixTree
@@ -36,7 +40,8 @@ class CacheRequest:
         cache_protected_len: leading tokens whose slots belong to the tree.
         lock: pin on the node ending at ``cache_protected_len`` (None: nothing pinned).
         swa_evicted_seqlen: page-aligned; the request's SWA data below it was freed.
-        mamba_slot: one-slot tensor with the request's live Mamba state, or None.
+        mamba_slot: one-slot tensor with the request's live Mamba state (covering all of
+            ``token_ids``), or None.
         namespace, priority: as in ``insert``.
     """
 
@@ -54,10 +59,12 @@ class CacheRequest:
 class RequestCacheMixin:
     """``cache_finished_req``, ``cache_unfinished_req`` and ``free_out_of_window``."""
 
-    def cache_finished_req(self: UnifiedRadixTree, req: CacheRequest, is_insert: bool = True) -> None:
+    def cache_finished_req(
+        self: UnifiedRadixTree, req: CacheRequest, is_insert: bool = True
+    ) -> None:
         """Insert the request's page-aligned tokens, free what the tree does not keep, release
-        its pin and its Mamba slot (unless the tree adopted it). ``is_insert=False`` frees
-        every request-owned slot instead."""
+        its pin and its Mamba slot (unless the tree adopted it: only when the tokens end on a
+        page boundary). ``is_insert=False`` frees every request-owned slot instead."""
         kv = self.full.device_alloc
         protected = req.cache_protected_len
         aligned = len(req.token_ids) // self.page_size * self.page_size
@@ -67,7 +74,7 @@ class RequestCacheMixin:
                 req.kv_slots[:aligned],
                 prev_prefix_len=protected,
                 swa_evicted_seqlen=min(req.swa_evicted_seqlen, aligned),
-                mamba_value=req.mamba_slot,
+                mamba_value=req.mamba_slot if aligned == len(req.token_ids) else None,
                 priority=req.priority,
                 namespace=req.namespace,
             )
@@ -88,10 +95,16 @@ class RequestCacheMixin:
         req.kv_slots = req.kv_slots[:0]
         req.cache_protected_len = 0
 
-    def cache_unfinished_req(self: UnifiedRadixTree, req: CacheRequest) -> None:
+    def cache_unfinished_req(self: UnifiedRadixTree, req: CacheRequest) -> MambaCopy | None:
         """Checkpoint a running request (chunked prefill, decode): insert its page-aligned
         tokens, write the tree's slots into ``kv_slots``, move its pin to the new end node and
         advance ``cache_protected_len``.
+
+        MAMBA: when the tokens end on a page boundary, the tree gets a new state slot at the
+        end node (one unpinned state is evicted if the pool is full) and the request keeps its
+        live slot. Returns the copy ``req.mamba_slot`` → the tree's slot that the controller
+        must issue before the next step (None: no state was donated, e.g. the node already had
+        one). Until that copy runs the tree's slot holds no valid state.
 
         The pin moves to the node ending at the cached length (not to the match anchor): every
         slot the request keeps using must be pinned. Where an SWA tombstone cannot take the
@@ -100,17 +113,27 @@ class RequestCacheMixin:
         """
         aligned = len(req.token_ids) // self.page_size * self.page_size
         if aligned <= req.cache_protected_len:
-            return
+            return None
+        donated = None
+        if req.mamba_slot is not None and aligned == len(req.token_ids):
+            donated = self._alloc_mamba_slot()
         res = self.insert(
             req.token_ids[:aligned],
             req.kv_slots[:aligned],
             prev_prefix_len=req.cache_protected_len,
             swa_evicted_seqlen=min(req.swa_evicted_seqlen, aligned),
+            mamba_value=donated,
             priority=req.priority,
             namespace=req.namespace,
             unfinished=True,
         )
         req.last_insert = res
+        copy = None
+        if donated is not None:
+            if res.mamba_adopted:
+                copy = MambaCopy(req.mamba_slot.reshape(1).clone(), donated)
+            else:
+                self.mamba.device_alloc.free(donated)
         values = []
         x = res.last_node
         while x.parent is not None:
@@ -123,6 +146,16 @@ class RequestCacheMixin:
             self.unlock(req.lock)
         req.lock = new_lock
         req.cache_protected_len = res.cached_len
+        return copy
+
+    def _alloc_mamba_slot(self: UnifiedRadixTree) -> torch.Tensor | None:
+        """One Mamba device slot, evicting one unpinned state if the pool is full."""
+        pool = self.mamba.device_alloc
+        slot = pool.alloc(1)
+        if slot is None:
+            self.evict(mamba=1)
+            slot = pool.alloc(1)
+        return slot
 
     def free_out_of_window(self: UnifiedRadixTree, req: CacheRequest) -> int:
         """Free the request's own SWA slots that slid out of the window (keeping a cushion of
