@@ -3,8 +3,9 @@
 A transfer moves the pages of one pool (``"kv"``, ``"swa"``, ``"mamba"``, ``"indexer"``, ...)
 between L3 and host page buffers. Its keys are page hashes (``keys.page_hashes``); the backend
 turns each into an object name with the pool suffix and, for sharded caches, the TP rank
-(``keys.KeyScope``). Host page buffers are 1-D uint8 CPU tensors, one per page, normally
-zero-copy views into the pinned host pool.
+(``keys.KeyScope``). A host page is a 1-D uint8 CPU tensor, or a list of them whose
+concatenation is the page object (a page_first pool's K range and V range), normally zero-copy
+views into the pinned host pool (``HostPool.page_views``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+Page = torch.Tensor | Sequence[torch.Tensor]
+"""One host page: a 1-D uint8 tensor, or the parts whose concatenation is the page object."""
+Parts = tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -69,14 +74,15 @@ class PoolTransfer:
         pool: pool name, ``[a-z0-9_]+``; at most one transfer per pool in a call.
         keys: one page hash per page. For ``exists`` these are the hashes of every page of the
             candidate prefix, whatever the policy; for ``get``/``set`` the pages to move.
-        pages: for ``get``/``set``, one host page buffer per key: 1-D, uint8, contiguous, on CPU.
-            ``get`` writes into them; ``set`` only reads them. Unused by ``exists``.
+        pages: for ``get``/``set``, one host page per key: a 1-D contiguous uint8 CPU tensor, or a
+            sequence of them whose concatenation is the page object. ``get`` writes into them;
+            ``set`` only reads them. Unused by ``exists``.
         policy: the pool's hit policy, used by ``exists``.
     """
 
     pool: str
     keys: Sequence[str]
-    pages: Sequence[torch.Tensor] = ()
+    pages: Sequence[Page] = ()
     policy: HitPolicy = field(default=ALL_PAGES)
 
 
@@ -161,12 +167,12 @@ class StorageBackend(ABC):
         """Whether each object exists (a stale ``True`` is allowed; ``get`` will then fail)."""
 
     @abstractmethod
-    def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
-        """Read and verify each object into its page buffer; ``False`` per missing/bad page."""
+    def _read(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
+        """Read and verify each object into its page's parts; ``False`` per missing/bad page."""
 
     @abstractmethod
-    def _write(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
-        """Store each page buffer under its object key unless already stored."""
+    def _write(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
+        """Store each page (its parts, concatenated) under its object key unless stored."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -182,7 +188,7 @@ class StorageBackend(ABC):
     def close(self) -> None:
         """Release connections and registrations; the backend is unusable afterwards."""
 
-    def _check_buffers(self, pages: list[torch.Tensor]) -> None:
+    def _check_buffers(self, pages: list[Parts]) -> None:
         """Raise ``ValueError`` for page buffers this backend cannot move (e.g. unregistered)."""
 
     # -- the batch API ----------------------------------------------------------------------------
@@ -232,12 +238,10 @@ class StorageBackend(ABC):
     # -- shared plumbing ---------------------------------------------------------------------------
 
     def _move(self, transfers: Sequence[PoolTransfer], direction: Direction) -> BatchResult:
-        self._check_pages(transfers)
+        pages = self._check_pages(transfers)
         keys: list[str] = []
-        pages: list[torch.Tensor] = []
         for t in transfers:
             keys += self.scope.object_keys(t.keys, t.pool)
-            pages += t.pages
         self._check_buffers(pages)
         start = time.perf_counter()
         try:
@@ -248,7 +252,7 @@ class StorageBackend(ABC):
             log.exception("%s: %s of %d pages failed", self.name, direction.value, len(keys))
             done = [False] * len(keys)
         seconds = time.perf_counter() - start
-        moved = sum(p.numel() for p, ok in zip(pages, done) if ok)
+        moved = sum(part.numel() for parts, ok in zip(pages, done) if ok for part in parts)
         self.metrics.add_transfer(Tier.STORAGE, direction, moved, seconds)
         failed = len(done) - sum(done)
         if failed:
@@ -267,19 +271,35 @@ class StorageBackend(ABC):
             raise ValueError(f"one transfer per pool per call, got pools {pools}")
 
     @classmethod
-    def _check_pages(cls, transfers: Sequence[PoolTransfer]) -> None:
+    def _check_pages(cls, transfers: Sequence[PoolTransfer]) -> list[Parts]:
+        """Validate the transfers; every page of every transfer, in order, as a tuple of parts."""
         cls._check_pools(transfers)
+        out: list[Parts] = []
         for t in transfers:
             if len(t.pages) != len(t.keys):
                 raise ValueError(
                     f"pool {t.pool!r}: {len(t.keys)} keys but {len(t.pages)} page buffers"
                 )
-            for i, p in enumerate(t.pages):
-                if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous() or p.is_cuda:
-                    raise ValueError(
-                        f"pool {t.pool!r} page {i}: need a 1-D contiguous uint8 CPU tensor, "
-                        f"got {p.dtype} shape {tuple(p.shape)} on {p.device}"
-                    )
+            for i, page in enumerate(t.pages):
+                parts = (page,) if isinstance(page, torch.Tensor) else tuple(page)
+                for p in parts:
+                    if (
+                        not isinstance(p, torch.Tensor)
+                        or p.dtype != torch.uint8
+                        or p.dim() != 1
+                        or not p.is_contiguous()
+                        or p.is_cuda
+                    ):
+                        got = (f"{p.dtype} shape {tuple(p.shape)} on {p.device}"
+                               if isinstance(p, torch.Tensor) else type(p).__name__)
+                        raise ValueError(
+                            f"pool {t.pool!r} page {i}: need 1-D contiguous uint8 CPU tensors, "
+                            f"got {got}"
+                        )
+                if not parts:
+                    raise ValueError(f"pool {t.pool!r} page {i}: no parts")
+                out.append(parts)
+        return out
 
 
 # -- registry -------------------------------------------------------------------------------------

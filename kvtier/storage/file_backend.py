@@ -4,8 +4,8 @@ File ``<root>/<object key>.kvp`` holds the 32-byte header then the page (``page_
 go to ``<object key>.kvp.<unique>.tmp`` in the same directory and are renamed into place, so a
 reader sees either no file or the whole file; temp files left by a crash are deleted at start-up.
 
-Bytes move with ``os.writev`` / ``os.readv`` straight between the page buffer and the kernel: the
-header and the page are two iovecs of one syscall, with no Python-side copy.
+Bytes move with ``os.writev`` / ``os.readv`` straight between the page buffers and the kernel: the
+header and the page's parts are the iovecs of one syscall, with no Python-side copy.
 
 Existence is answered from an in-memory index (key -> size, in least-recently-used order) built by
 scanning the directory at start-up (oldest mtime first). A key the index lacks costs one ``stat``,
@@ -24,9 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from kvtier.storage.base import StorageBackend
+from kvtier.storage.base import Parts, StorageBackend
 from kvtier.storage.keys import KeyScope
 from kvtier.storage.metrics import StorageMetrics
 from kvtier.storage.page_format import (
@@ -58,6 +56,18 @@ class FileBackendConfig:
     def __post_init__(self) -> None:
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {self.capacity_bytes}")
+
+
+def _after(iovecs: list[memoryview], done: int) -> list[memoryview]:
+    """The parts of ``iovecs`` still to move once the first ``done`` bytes have moved."""
+    rest = []
+    for v in iovecs:
+        if done >= v.nbytes:
+            done -= v.nbytes
+        else:
+            rest.append(v[done:])
+            done = 0
+    return rest
 
 
 class FileBackend(StorageBackend):
@@ -154,7 +164,7 @@ class FileBackend(StorageBackend):
     def _contains(self, object_keys: list[str]) -> list[bool]:
         return [size is not None for size in self._lookup(object_keys, touch=False)]
 
-    def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+    def _read(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
         sizes = self._lookup(object_keys, touch=True)
         header = bytearray(HEADER_SIZE)
         out = []
@@ -163,15 +173,17 @@ class FileBackend(StorageBackend):
             if size is None:
                 out.append(False)
                 continue
-            payload = buffer_of(page)
-            if size != HEADER_SIZE + payload.nbytes and self._self_consistent(key, size):
+            parts = [buffer_of(p) for p in page]
+            want = HEADER_SIZE + sum(p.nbytes for p in parts)
+            if size != want and self._self_consistent(key, size):
                 out.append(False)  # a whole object of another size: the caller's buffer is wrong
                 continue
-            ok = size == HEADER_SIZE + payload.nbytes and self._read_file(key, header, payload)
+            ok = size == want and self._read_file(key, [memoryview(header), *parts])
             if ok is None:  # evicted or cleared since the index lookup
                 self._forget(key)
                 out.append(False)
                 continue
+            ok = ok and verify(header, key, parts)
             if not ok:
                 bad += 1
                 self._forget(key)
@@ -188,30 +200,29 @@ class FileBackend(StorageBackend):
         except OSError:
             return False
 
-    def _read_file(self, key: str, header: bytearray, payload: memoryview) -> bool | None:
-        """Read and verify one file; None when the file does not exist."""
+    def _read_file(self, key: str, iovecs: list[memoryview]) -> bool | None:
+        """Fill ``iovecs`` (header, then payload parts) from the file; None if it is missing."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
         except FileNotFoundError:
             return None
         try:
-            want = HEADER_SIZE + payload.nbytes
-            got = os.readv(fd, [header, payload])
-            # Short reads are rare on regular files but legal: finish into the payload's tail.
-            while got < want:
-                n = os.readv(fd, [payload[got - HEADER_SIZE :]]) if got >= HEADER_SIZE else 0
+            want = sum(v.nbytes for v in iovecs)
+            got = os.readv(fd, iovecs)
+            while got < want:  # short reads are rare on regular files but legal
+                n = os.readv(fd, _after(iovecs, got))
                 if n == 0:
                     return False
                 got += n
         finally:
             os.close(fd)
-        return verify(header, key, payload)
+        return True
 
-    def _write(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+    def _write(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
         out = []
         for key, page in zip(object_keys, pages):
-            payload = buffer_of(page)
-            size = HEADER_SIZE + payload.nbytes
+            parts = [buffer_of(p) for p in page]
+            size = HEADER_SIZE + sum(p.nbytes for p in parts)
             with self._mutex:
                 if key in self._index:
                     self._index.move_to_end(key)
@@ -223,7 +234,7 @@ class FileBackend(StorageBackend):
                 continue
             for path in victims:
                 Path(path).unlink(missing_ok=True)
-            ok = self._write_file(key, payload)
+            ok = self._write_file(key, [memoryview(make_header(key, parts)), *parts])
             with self._mutex:
                 self._reserved -= size
                 if ok and key not in self._index:
@@ -232,18 +243,16 @@ class FileBackend(StorageBackend):
             out.append(ok)
         return out
 
-    def _write_file(self, key: str, payload: memoryview) -> bool:
+    def _write_file(self, key: str, iovecs: list[memoryview]) -> bool:
         path = self._path(key)
         tmp = f"{path}.{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}{_TMP_SUFFIX}"
-        want = HEADER_SIZE + payload.nbytes
+        want = sum(v.nbytes for v in iovecs)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                done = os.writev(fd, [make_header(key, payload), payload])
-                while done < want:  # a short write (full disk, signal): finish the payload's tail
-                    if done < HEADER_SIZE:
-                        raise OSError(f"short header write to {tmp}")
-                    done += os.write(fd, payload[done - HEADER_SIZE :])
+                done = os.writev(fd, iovecs)
+                while done < want:  # a short write (full disk, signal): write the rest
+                    done += os.writev(fd, _after(iovecs, done))
                 if self.config.fsync:
                     os.fsync(fd)
             finally:

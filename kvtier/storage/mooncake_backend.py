@@ -2,8 +2,8 @@
 
 Each page object is stored as two parts of one Mooncake object, header then payload, with
 ``batch_put_from_multi_buffers`` and read back with ``batch_get_into_multi_buffers``: the payload
-part is the caller's page buffer itself and the 32-byte header sits in a small registered arena
-owned by this backend. So neither direction copies the page in Python, and the checksum costs one
+parts are the caller's page buffers themselves (one, or a page's K and V ranges) and the 32-byte
+header sits in a small registered arena owned by this backend. So neither direction copies the page in Python, and the checksum costs one
 read pass over the page (no copy) on each side.
 
 Page buffers must lie inside a region given to ``register_host_buffer`` (normally the whole
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.storage.base import StorageBackend
+from kvtier.storage.base import Parts, StorageBackend
 from kvtier.storage.keys import KeyScope
 from kvtier.storage.metrics import StorageMetrics
 from kvtier.storage.page_format import HEADER_SIZE, buffer_of, make_header, verify
@@ -187,25 +187,26 @@ class MooncakeBackend(StorageBackend):
             raise RuntimeError(f"mooncake register_buffer({start:#x}, {size}) failed with {rc}")
         return start, size
 
-    def _check_buffers(self, pages: list[torch.Tensor]) -> None:
+    def _check_buffers(self, pages: list[Parts]) -> None:
         with self._regions_mutex:
             regions = list(self._regions)
         starts = [r[0] for r in regions]
-        for i, p in enumerate(pages):
-            ptr = p.data_ptr()
-            j = bisect.bisect_right(starts, ptr) - 1
-            if j < 0 or ptr + p.numel() > regions[j][1]:
-                raise ValueError(
-                    f"page buffer {i} at {ptr:#x} is outside every registered host buffer; "
-                    "call register_host_buffer(host_pool) first"
-                )
+        for i, parts in enumerate(pages):
+            for p in parts:
+                ptr = p.data_ptr()
+                j = bisect.bisect_right(starts, ptr) - 1
+                if j < 0 or ptr + p.numel() > regions[j][1]:
+                    raise ValueError(
+                        f"page buffer {i} at {ptr:#x} is outside every registered host buffer; "
+                        "call register_host_buffer(host_pool) first"
+                    )
 
     # -- StorageBackend ----------------------------------------------------------------------------
 
     def _contains(self, object_keys: list[str]) -> list[bool]:
         return [r == 1 for r in self._store.batch_is_exist(object_keys)]
 
-    def _read(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+    def _read(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
         out: list[bool] = []
         for lo in range(0, len(object_keys), _ARENA_PAGES):
             out += self._read_chunk(
@@ -213,22 +214,24 @@ class MooncakeBackend(StorageBackend):
             )
         return out
 
-    def _read_chunk(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+    def _read_chunk(self, keys: list[str], pages: list[Parts]) -> list[bool]:
         arena = self._arenas.acquire()
         try:
             base = arena.data_ptr()
-            ptrs = [[base + i * HEADER_SIZE, p.data_ptr()] for i, p in enumerate(pages)]
-            sizes = [[HEADER_SIZE, p.numel()] for p in pages]
+            ptrs = [[base + i * HEADER_SIZE, *(p.data_ptr() for p in parts)]
+                    for i, parts in enumerate(pages)]
+            sizes = [[HEADER_SIZE, *(p.numel() for p in parts)] for parts in pages]
             got = self._store.batch_get_into_multi_buffers(keys, ptrs, sizes)
             headers = buffer_of(arena)
             out, bad = [], []
-            for i, (key, page, n) in enumerate(zip(keys, pages, got)):
-                if n != HEADER_SIZE + page.numel():
+            for i, (key, size, n) in enumerate(zip(keys, sizes, got)):
+                if n != sum(size):
                     # Missing, evicted, a failed store, or an object of another size than the
                     # caller's buffer (puts are atomic, so not a torn object): not served.
                     out.append(False)
                     continue
-                ok = verify(headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], key, buffer_of(page))
+                ok = verify(headers[i * HEADER_SIZE : (i + 1) * HEADER_SIZE], key,
+                            [buffer_of(p) for p in pages[i]])
                 if not ok:
                     bad.append(key)
                 out.append(ok)
@@ -239,7 +242,7 @@ class MooncakeBackend(StorageBackend):
             self._store.batch_remove(bad, True)
         return out
 
-    def _write(self, object_keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+    def _write(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
         out: list[bool] = []
         for lo in range(0, len(object_keys), _ARENA_PAGES):
             out += self._write_chunk(
@@ -247,7 +250,7 @@ class MooncakeBackend(StorageBackend):
             )
         return out
 
-    def _write_chunk(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+    def _write_chunk(self, keys: list[str], pages: list[Parts]) -> list[bool]:
         exists = self._store.batch_is_exist(keys)
         if any(e < 0 for e in exists):
             return [False] * len(keys)  # the master did not answer: nothing will be written
@@ -261,12 +264,13 @@ class MooncakeBackend(StorageBackend):
             headers = buffer_of(arena)
             for slot, i in enumerate(todo):
                 headers[slot * HEADER_SIZE : (slot + 1) * HEADER_SIZE] = make_header(
-                    keys[i], buffer_of(pages[i])
+                    keys[i], [buffer_of(p) for p in pages[i]]
                 )
             rcs = self._store.batch_put_from_multi_buffers(
                 [keys[i] for i in todo],
-                [[base + slot * HEADER_SIZE, pages[i].data_ptr()] for slot, i in enumerate(todo)],
-                [[HEADER_SIZE, pages[i].numel()] for i in todo],
+                [[base + slot * HEADER_SIZE, *(p.data_ptr() for p in pages[i])]
+                 for slot, i in enumerate(todo)],
+                [[HEADER_SIZE, *(p.numel() for p in pages[i])] for i in todo],
             )
         finally:
             self._arenas.release(arena)

@@ -1,5 +1,8 @@
 """The bytes of one stored page object: a 32-byte header, then the page payload unchanged.
 
+A payload may arrive in parts (a page's K range and V range in a page_first host pool): the object
+is their concatenation, and the checksum covers it as one stream.
+
 Header (little-endian)::
 
     offset size field
@@ -21,9 +24,11 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+
+Buffer = bytes | bytearray | memoryview
 
 __all__ = ["HEADER_SIZE", "buffer_of", "make_header", "payload_length", "verify"]
 
@@ -34,11 +39,26 @@ _XXH3, _CRC32 = 1, 2
 _HEADER = struct.Struct("<4sBBHQQQ")
 assert _HEADER.size == HEADER_SIZE
 
-_ALGORITHMS: dict[int, Callable[[object], int]] = {_CRC32: zlib.crc32}
+def _crc32(parts: Sequence[Buffer]) -> int:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+_ALGORITHMS: dict[int, Callable[[Sequence[Buffer]], int]] = {_CRC32: _crc32}
 try:
     import xxhash
 
-    _ALGORITHMS[_XXH3] = xxhash.xxh3_64_intdigest
+    def _xxh3(parts: Sequence[Buffer]) -> int:
+        if len(parts) == 1:
+            return xxhash.xxh3_64_intdigest(parts[0])
+        h = xxhash.xxh3_64()
+        for part in parts:
+            h.update(part)
+        return h.intdigest()
+
+    _ALGORITHMS[_XXH3] = _xxh3
     _DEFAULT = _XXH3
 except ImportError:  # pragma: no cover - depends on the environment
     _DEFAULT = _CRC32
@@ -49,16 +69,20 @@ def buffer_of(page: torch.Tensor) -> memoryview:
     return memoryview(page.numpy()).cast("B")
 
 
-def make_header(key: str, payload: memoryview) -> bytes:
-    """The header for ``payload`` stored under ``key`` (reads the payload once, copies nothing)."""
+def make_header(key: str, parts: Sequence[memoryview]) -> bytes:
+    """The header for the payload ``parts`` (concatenated) stored under ``key``.
+
+    Reads the payload once and copies nothing.
+    """
     digest = _ALGORITHMS[_DEFAULT]
+    length = sum(p.nbytes for p in parts)
     return _HEADER.pack(
-        _MAGIC, _VERSION, _DEFAULT, 0, payload.nbytes, digest(key.encode()), digest(payload)
+        _MAGIC, _VERSION, _DEFAULT, 0, length, digest([key.encode()]), digest(parts)
     )
 
 
-def verify(header: bytes | memoryview, key: str, payload: memoryview) -> bool:
-    """Whether ``header`` is a valid header for ``payload`` stored under ``key``."""
+def verify(header: Buffer, key: str, parts: Sequence[memoryview]) -> bool:
+    """Whether ``header`` is a valid header for the payload ``parts`` stored under ``key``."""
     if len(header) != HEADER_SIZE:
         return False
     magic, version, algorithm, _, length, key_digest, checksum = _HEADER.unpack(header)
@@ -67,13 +91,13 @@ def verify(header: bytes | memoryview, key: str, payload: memoryview) -> bool:
         magic == _MAGIC
         and version == _VERSION
         and digest is not None
-        and length == payload.nbytes
-        and key_digest == digest(key.encode())
-        and checksum == digest(payload)
+        and length == sum(p.nbytes for p in parts)
+        and key_digest == digest([key.encode()])
+        and checksum == digest(parts)
     )
 
 
-def payload_length(header: bytes | bytearray | memoryview) -> int | None:
+def payload_length(header: Buffer) -> int | None:
     """The payload length a header declares, or None if it is not a kvtier page header."""
     if len(header) != HEADER_SIZE:
         return None

@@ -180,3 +180,23 @@ def test_concurrent_backup_and_prefetch(backend: StorageBackend, make_pages) -> 
     assert not any(t.is_alive() for t in threads), "a storage call hung"
     assert not errors, errors[:5]
     assert backend.exists([PoolTransfer("kv", h)]) == n
+
+
+def test_pages_in_parts_are_one_object(backend: StorageBackend, make_pages) -> None:
+    """A page given as K and V ranges is stored as their concatenation, and read back as parts
+    or whole."""
+    h = hashes(3)
+    k, v = make_pages(3, 1024), make_pages(3, 3072)
+    ref_k, ref_v = fill(k, 10), fill(v, 11)
+    assert backend.set([PoolTransfer("kv", h, [[a, b] for a, b in zip(k, v)])]).all_ok
+    whole = make_pages(3, 4096)
+    assert backend.get([PoolTransfer("kv", h, whole)]).all_ok
+    for i in range(3):
+        assert torch.equal(whole[i], torch.cat([ref_k[i], ref_v[i]])), f"page {i}"
+    k2, v2 = make_pages(3, 1024), make_pages(3, 3072)
+    assert backend.get([PoolTransfer("kv", h, [[a, b] for a, b in zip(k2, v2)])]).all_ok
+    assert first_mismatch(k2, ref_k) is None and first_mismatch(v2, ref_v) is None
+    odd = make_pages(1, 1024) + make_pages(1, 2048)
+    assert backend.get([PoolTransfer("kv", h[:1], [odd])]).ok["kv"] == [False], "short by 1 KiB"
+    with pytest.raises(ValueError, match="no parts"):
+        backend.get([PoolTransfer("kv", h[:1], [[]])])
