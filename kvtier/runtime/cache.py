@@ -1,0 +1,414 @@
+"""``TieredKVCache``: the one object a model runner embeds.
+
+A request's life, as a serving engine drives it::
+
+    cache = TieredKVCache(CacheConfig(...))
+    req = cache.match(prompt)              # device hit + queued load-back of host hits
+    cache.reserve(req, len(prompt) + max_new_tokens)
+    cache.start_loading()                  # once per batch: layer-by-layer H→D starts
+    # forward: layer i calls cache.wait_layer(i) before reading its KV; it writes new K/V at
+    # req.kv_slots[pos] (full layers), cache.swa_slots(req)[pos] (SWA layers) and the Mamba
+    # state at req.mamba_slot
+    cache.computed(req, n)                 # n tokens' KV/state are written (checkpoints Mamba)
+    cache.cache_finished_req(req)          # hand the cacheable prefix to the tree
+    cache.poll()                           # every scheduler step: acknowledge finished copies
+
+Positions ``[0, req.cached_len)`` of the prompt come from the cache; the runner computes the rest.
+At least the last prompt token is always computed, so the runner has logits to sample from.
+
+Mamba states are exact only at the positions where they were taken: ``computed`` copies the
+request's live state into a checkpoint slot each time the computed length reaches a page
+boundary, and the finished request caches the state of its last page boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.nvtx import nvtx_range
+from kvtier.runtime.config import CacheConfig
+from kvtier.runtime.controller import CacheController, PoolBinding
+from kvtier.runtime.device_pool import MHADevicePool
+from kvtier.runtime.host_pool import HostPool
+from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool
+from kvtier.runtime.tree_config import TreeConfig, build_tree
+from kvtier.runtime.tree_node import TreeNode
+from kvtier.runtime.tree_requests import CacheRequest
+
+__all__ = ["CacheCounters", "Request", "TieredKVCache"]
+
+
+@dataclass
+class Request(CacheRequest):
+    """A request as the cache sees it (see :class:`CacheRequest` for the slot bookkeeping).
+
+    Attributes:
+        device_hit: prompt tokens found on the device.
+        host_hit: prompt tokens loaded back from host.
+        computed_len: tokens whose KV/state the runner has written.
+        mamba_ckpt: a slot holding the state at ``mamba_ckpt_len`` tokens (page-aligned).
+    """
+
+    device_hit: int = 0
+    host_hit: int = 0
+    computed_len: int = 0
+    mamba_ckpt: torch.Tensor | None = None
+    mamba_ckpt_len: int = 0
+    _pending_cow: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def cached_len(self) -> int:
+        """Prompt tokens served by the cache; the runner starts computing here."""
+        return self.device_hit + self.host_hit
+
+
+@dataclass
+class CacheCounters:
+    """Monotonic counters (tokens, bytes, events)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    load_backs: int = 0
+    load_backs_skipped: int = 0
+    evicted_tokens: int = 0
+    write_back_backups: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class TieredKVCache:
+    """Device pools, host pools, the unified tree and the controller behind one API.
+
+    Args:
+        config: a validated :class:`CacheConfig`.
+        tp_group: CPU (gloo) group of tensor-parallel ranks that must agree, or None.
+        ack_delay_steps: test hook; see :class:`CacheController`.
+    """
+
+    def __init__(self, config: CacheConfig, tp_group=None, ack_delay_steps: int = 0) -> None:
+        self.config = cfg = config
+        self.device = torch.device(cfg.device)
+        P = cfg.page_size
+        full, swa, mamba = cfg.layers_of("full"), cfg.layers_of("swa"), cfg.layers_of("mamba")
+        H, D, dt = cfg.kv_heads, cfg.head_dim, cfg.dtype
+        self.full_pool = MHADevicePool(len(full), cfg.device_tokens, H, D, dt, self.device, P)
+        self.swa_pool = (
+            MHADevicePool(len(swa), cfg.swa_device_tokens, H, D, dt, self.device, P) if swa else None
+        )
+        self.mamba_pool = (
+            MambaDevicePool(len(mamba), cfg.mamba_slots, cfg.mamba, self.device) if mamba else None
+        )
+        k = cfg.knobs
+        self.host_full = HostPool(self.full_pool, cfg.host_layout, size=cfg.host_kv_tokens, knobs=k)
+        self.host_swa = (
+            HostPool(self.swa_pool, cfg.host_layout, size=cfg.host_swa_tokens, knobs=k) if swa else None
+        )
+        self.host_mamba = (
+            MambaHostPool(self.mamba_pool, size=cfg.host_mamba_slots, knobs=k) if mamba else None
+        )
+        write_back = cfg.write_policy == "write_back"
+        self.tree = build_tree(
+            TreeConfig(
+                page_size=P,
+                kv_size=cfg.device_tokens,
+                swa_window=cfg.swa_window if swa else None,
+                swa_size=cfg.swa_device_tokens if swa else None,
+                mamba_size=cfg.mamba_slots if mamba else None,
+                mamba_chunk_size=P,
+                host_kv_size=cfg.host_kv_tokens,
+                host_swa_size=cfg.host_swa_tokens if swa else None,
+                host_mamba_size=cfg.host_mamba_slots if mamba else None,
+                backup_continuity=not write_back,
+            ),
+            write_back=self._write_back if write_back else None,
+        )
+        self.kv_alloc = self.tree.full.device_alloc
+        bindings = {"kv": _kv_binding("kv", self.host_full)}
+        layer_map: list[tuple[str, int]] = []
+        for kind in cfg.layer_kinds:
+            pool = {"full": "kv", "swa": "swa", "mamba": "mamba"}[kind]
+            layer_map.append((pool, sum(1 for p, _ in layer_map if p == pool)))
+        if swa:
+            bindings["swa"] = _kv_binding("swa", self.host_swa)
+        if mamba:
+            hm = self.host_mamba
+            bindings["mamba"] = PoolBinding(
+                "mamba",
+                lambda d, h: hm.backup(d, h, check=False),
+                lambda h, d, layer: hm.load(h, d, layer=layer, check=False),
+                self.mamba_pool.slot_bytes,
+                len(mamba),
+            )
+        self.controller = CacheController(
+            self.tree, bindings, layer_map, self.device, tp_group, ack_delay_steps
+        )
+        self.layer_map = layer_map
+        self.counters = CacheCounters()
+        self.requests: dict[int, Request] = {}
+
+    # -- match and load-back ---------------------------------------------------------------
+
+    def match(
+        self, token_ids: Sequence[int], namespace: Hashable = None, priority: int = 0
+    ) -> Request:
+        """Match ``token_ids`` against the cache, pin the hit, and queue a load-back of host hits.
+
+        The returned request owns a pin on its cached prefix until ``cache_finished_req``.
+        """
+        cfg, tree = self.config, self.tree
+        tokens = list(token_ids)
+        with nvtx_range(f"kvtier.match {len(tokens)} tokens"):
+            m = tree.match_prefix(tokens[:-1], namespace)
+        req = Request(
+            token_ids=tokens,
+            kv_slots=m.device_indices.clone(),
+            namespace=namespace,
+            priority=priority,
+        )
+        node = m.last_device_node
+        req.lock = tree.lock(node) if node is not tree.root else None
+        req.device_hit = req.cache_protected_len = m.device_len
+        if (
+            m.best_match_node is not node
+            and m.host_hit_length >= max(cfg.load_back_min_tokens, 1)
+            and (cfg.load_back_max_tokens is None or m.host_hit_length <= cfg.load_back_max_tokens)
+        ):
+            books = self.controller.load_back(m.best_match_node)
+            if books is not None:
+                node = m.best_match_node
+                lock = tree.lock(node)
+                if req.lock is not None:
+                    tree.unlock(req.lock)
+                req.lock = lock
+                req.kv_slots = _path_slots(node)
+                req.host_hit = req.kv_slots.numel() - req.device_hit
+                req.cache_protected_len = req.kv_slots.numel()
+                self.counters.load_backs += 1
+            else:
+                self.counters.load_backs_skipped += 1
+        elif m.best_match_node is not node:
+            self.counters.load_backs_skipped += 1
+        if self.mamba_pool is not None:
+            self._give_mamba_state(req, node)
+        if cfg.write_policy == "write_through_selective" and node is not tree.root:
+            if node.hit_count >= 2 and node.host_value[0] is None:
+                self.controller.backup(node)
+        req.computed_len = req.cached_len
+        self.counters.requests += 1
+        self.counters.prompt_tokens += len(tokens)
+        self.counters.device_hit_tokens += req.device_hit
+        self.counters.host_hit_tokens += req.host_hit
+        self.requests[id(req)] = req
+        return req
+
+    def _give_mamba_state(self, req: Request, node: TreeNode) -> None:
+        """A state slot for the request: a copy of the anchor's state, or zeros from position 0."""
+        tree, pool = self.tree, self.mamba_pool
+        slot = _alloc_or_evict(tree.mamba.device_alloc, 1, lambda: tree.evict(mamba=1))
+        if slot is None:
+            raise RuntimeError("mamba: no free state slot for the request")
+        req.mamba_slot = slot
+        src = node.value[tree.mamba.slot] if node is not tree.root else None
+        if req.cached_len and src is None:
+            raise RuntimeError(f"mamba: matched {req.cached_len} tokens but {node} has no state")
+        d = slot.to(self.device)
+        if src is None:
+            for t in pool.tensors:
+                t[:, d] = 0
+            return
+        # Copied layer by layer in wait_layer: a loaded state arrives with its layer's event.
+        s = src.to(self.device)
+        for i, (kind, pool_layer) in enumerate(self.layer_map):
+            if kind == "mamba":
+                req._pending_cow[i] = (s, d)
+
+    def start_loading(self) -> bool:
+        """Start every queued load-back (once per batch, before the forward pass)."""
+        return self.controller.start_loading()
+
+    def wait_layer(self, layer: int, requests: Sequence[Request] = ()) -> None:
+        """Call before layer ``layer`` reads the cache: waits for its loads, copies Mamba states."""
+        self.controller.wait_layer(layer)
+        kind, pool_layer = self.layer_map[layer]
+        if kind != "mamba":
+            return
+        for req in requests or self.requests.values():
+            cow = req._pending_cow.pop(layer, None)
+            if cow is not None:
+                src, dst = cow
+                for t in self.mamba_pool.tensors:
+                    t[pool_layer, dst] = t[pool_layer, src]
+
+    # -- slots for new tokens ----------------------------------------------------------------
+
+    def reserve(self, req: Request, total_tokens: int) -> torch.Tensor:
+        """Make ``req.kv_slots`` cover ``total_tokens`` positions (whole pages); returns them."""
+        P = self.config.page_size
+        need = -(-total_tokens // P) * P - req.kv_slots.numel()
+        if need > 0:
+            swa = need if self.swa_pool is not None else 0
+            slots = _alloc_or_evict(self.kv_alloc, need, lambda: self._evict_for(need, swa))
+            if slots is None:
+                raise RuntimeError(f"device KV pool exhausted: {need} tokens needed")
+            req.kv_slots = torch.cat([req.kv_slots, slots])
+        return req.kv_slots
+
+    def swa_slots(self, req: Request) -> torch.Tensor | None:
+        """SWA pool slots of the request's positions (-1 where none), or None without SWA."""
+        if self.swa_pool is None:
+            return None
+        return self.kv_alloc.translate(req.kv_slots)
+
+    def computed(self, req: Request, n_tokens: int) -> None:
+        """The runner has written KV/state for the first ``n_tokens`` positions of the request.
+
+        At a page boundary the request's Mamba state is checkpointed, so that it can be cached.
+        """
+        req.computed_len = n_tokens
+        if self.mamba_pool is None or n_tokens % self.config.page_size:
+            return
+        if req.mamba_ckpt is None:
+            req.mamba_ckpt = _alloc_or_evict(
+                self.tree.mamba.device_alloc, 1, lambda: self.tree.evict(mamba=1)
+            )
+            if req.mamba_ckpt is None:
+                return  # no slot: this request's state will not be cached
+        self.mamba_pool.copy_slots(req.mamba_slot, req.mamba_ckpt)
+        req.mamba_ckpt_len = n_tokens
+
+    # -- caching requests ------------------------------------------------------------------
+
+    def _prepare_insert(self, req: Request) -> torch.Tensor | None:
+        """Trim the request to what is cacheable; returns its live Mamba slot to free."""
+        req.token_ids = req.token_ids[: req.computed_len]
+        live = None
+        if self.mamba_pool is not None:
+            aligned = req.computed_len // self.config.page_size * self.config.page_size
+            live = req.mamba_slot
+            if req.mamba_ckpt is not None and req.mamba_ckpt_len == aligned and aligned > 0:
+                req.mamba_slot = req.mamba_ckpt  # the state at the last page boundary
+                req.token_ids = req.token_ids[:aligned]
+            else:
+                if req.mamba_ckpt is not None:
+                    self.tree.mamba.device_alloc.free(req.mamba_ckpt)
+                req.mamba_slot = None
+            req.mamba_ckpt = None
+        return live
+
+    def cache_finished_req(self, req: Request) -> None:
+        """Hand the request's cacheable prefix to the tree and release everything it holds."""
+        with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
+            live = self._prepare_insert(req)
+            self.tree.cache_finished_req(req)
+            if live is not None:
+                self.tree.mamba.device_alloc.free(live)
+        self.requests.pop(id(req), None)
+        self._after_insert(req)
+
+    def cache_unfinished_req(self, req: Request) -> None:
+        """Checkpoint a running request's full pages into the tree (chunked prefill, decode)."""
+        with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
+            tokens = req.token_ids
+            req.token_ids = tokens[: req.computed_len]
+            self.tree.cache_unfinished_req(req)
+            req.token_ids = tokens
+        self._after_insert(req)
+
+    def _after_insert(self, req: Request) -> None:
+        res = req.last_insert
+        if res is None or self.config.write_policy != "write_through":
+            return
+        node = res.last_node
+        if node is not self.tree.root and node.host_value[0] is None:
+            self.controller.backup(node)
+
+    def _write_back(self, node: TreeNode) -> bool:
+        """Write-back: back a device leaf up as it is evicted; False keeps it on device."""
+        ok = self.controller.backup(node, wait=True)
+        if ok:
+            self.counters.write_back_backups += 1
+        return ok
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def poll(self) -> tuple[int, int]:
+        """Acknowledge finished backups and loads (call once per scheduler step)."""
+        return self.controller.poll()
+
+    def evict(self, tokens: int) -> int:
+        """Free at least ``tokens`` FULL device slots if possible; returns tokens freed."""
+        with nvtx_range(f"kvtier.evict {tokens} tokens"):
+            freed = self.tree.evict(full=tokens).full
+        self.counters.evicted_tokens += freed
+        return freed
+
+    def _evict_for(self, full: int, swa: int) -> None:
+        with nvtx_range(f"kvtier.evict {full} tokens"):
+            res = self.tree.evict(full=full, swa=swa)
+        self.counters.evicted_tokens += res.full
+
+    def drain(self) -> None:
+        """Wait for and acknowledge every copy in flight."""
+        self.controller.drain()
+
+    def request_owned(self) -> dict[str, int]:
+        owned = {"kv": 0, "swa": 0, "mamba": 0}
+        for req in self.requests.values():
+            own = req.kv_slots[req.cache_protected_len :]
+            owned["kv"] += own.numel()
+            if self.swa_pool is not None:
+                owned["swa"] += int((self.kv_alloc.translate(own) >= 0).sum())
+            owned["mamba"] += (req.mamba_slot is not None) + (req.mamba_ckpt is not None)
+        return owned
+
+    def check_integrity(self) -> None:
+        """Recount the tree and every pool against the slots running requests hold."""
+        self.tree.check_integrity(self.request_owned())
+
+    def metrics(self) -> dict[str, float]:
+        s = self.controller.stats
+        out: dict[str, float] = self.counters.as_dict()
+        out.update(
+            d2h_bytes=s.d2h_bytes,
+            h2d_bytes=s.h2d_bytes,
+            backups=s.backups,
+            backups_refused=s.backups_refused,
+            loads=s.loads,
+            d2h_gbps=s.d2h_bytes / s.d2h_seconds / 1e9 if s.d2h_seconds else 0.0,
+            h2d_gbps=s.h2d_bytes / s.h2d_seconds / 1e9 if s.h2d_seconds else 0.0,
+        )
+        return out
+
+
+def _kv_binding(name: str, host: HostPool) -> PoolBinding:
+    return PoolBinding(
+        name,
+        lambda d, h: host.backup(d, h, check=False),
+        lambda h, d, layer: host.load(h, d, layer=layer, check=False),
+        host.device_pool.bytes_per_token,
+        host.device_pool.num_layers,
+    )
+
+
+def _alloc_or_evict(alloc, n: int, evict) -> torch.Tensor | None:
+    slots = alloc.alloc(n)
+    if slots is None:
+        evict()
+        slots = alloc.alloc(n)
+    return slots
+
+
+def _path_slots(node: TreeNode) -> torch.Tensor:
+    values = []
+    while node.parent is not None:
+        values.append(node.value[0])
+        node = node.parent
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.cat(values[::-1])

@@ -1,0 +1,307 @@
+"""The cache controller: issues the copies the tree's books call for, and acknowledges them.
+
+- Backup (D→H) runs on a dedicated write stream, all layers in one launch per pool, after the
+  compute stream has produced the data.
+- Load (H→D) is queued by ``load_back`` and started once per batch by ``start_loading``: layer by
+  layer on a dedicated load stream, with one event per layer, so the forward pass can wait for
+  layer N while layer N+1 is still loading (``wait_layer``).
+- Index tensors, host pins and device locks of an operation live until its completion event has
+  fired and the operation is acknowledged in ``poll``; only then are its books released.
+- With tensor-parallel ranks, each ``poll`` makes exactly one fixed-size all-reduce (MIN) on a CPU
+  (gloo) group over the counts of completed backups and loads, so every rank acknowledges the
+  same operations in the same step and their trees change identically.
+
+On CPU there are no streams: copies complete when issued, and ``poll`` acknowledges them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.nvtx import nvtx_range
+from kvtier.runtime.tree import UnifiedRadixTree
+from kvtier.runtime.tree_node import TreeNode
+from kvtier.runtime.tree_types import Backup, LoadBack
+
+__all__ = ["CacheController", "PoolBinding", "TransferStats"]
+
+
+@dataclass
+class PoolBinding:
+    """How one tree pool's transfers are carried out.
+
+    Attributes:
+        name: the tree's pool name ("kv", "swa", "mamba").
+        backup: ``(device_idx, host_idx) -> None``: D→H of all layers.
+        load: ``(host_idx, device_idx, layer) -> None``: H→D of one pool-local layer.
+        bytes_per_index: bytes moved per index across all layers (for the counters).
+        num_layers: pool-local layers.
+    """
+
+    name: str
+    backup: Callable[[torch.Tensor, torch.Tensor], object]
+    load: Callable[[torch.Tensor, torch.Tensor, int], object]
+    bytes_per_index: int
+    num_layers: int
+
+
+@dataclass
+class TransferStats:
+    """Monotonic counters of the copies issued."""
+
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    backups: int = 0
+    backups_refused: int = 0
+    loads: int = 0
+    d2h_seconds: float = 0.0
+    h2d_seconds: float = 0.0
+
+
+@dataclass
+class _Op:
+    kind: str
+    books: Backup | list[LoadBack]
+    event: torch.cuda.Event | None
+    keep_alive: list[torch.Tensor] = field(default_factory=list)
+    issued_step: int = 0
+    start: torch.cuda.Event | None = None
+    nbytes: int = 0
+
+
+class CacheController:
+    """Copies between a tree's device and host pools, with per-layer load events and TP acks.
+
+    Args:
+        tree: the tree whose books drive the copies.
+        bindings: one :class:`PoolBinding` per tree pool name that has a host tier.
+        layer_map: for each model layer, ``(pool name, pool-local layer)``.
+        device: where the device pools live.
+        tp_group: a CPU (gloo) process group whose ranks must agree on acks, or None.
+        ack_delay_steps: acknowledge an operation only after this many ``poll`` calls since it
+            was issued (a test hook that makes one rank's completions arrive later).
+    """
+
+    def __init__(
+        self,
+        tree: UnifiedRadixTree,
+        bindings: dict[str, PoolBinding],
+        layer_map: list[tuple[str, int]],
+        device: torch.device,
+        tp_group=None,
+        ack_delay_steps: int = 0,
+    ) -> None:
+        self.tree = tree
+        self.bindings = bindings
+        self.layer_map = layer_map
+        self.device = device
+        self.tp_group = tp_group
+        self.ack_delay_steps = ack_delay_steps
+        self.cuda = device.type == "cuda"
+        self.write_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.load_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stats = TransferStats()
+        self._backups: deque[_Op] = deque()
+        self._loads: deque[_Op] = deque()
+        self._queued: list[LoadBack] = []
+        self._layer_events: list[torch.cuda.Event] | None = None
+        self._step = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True) if self.cuda else t
+
+    def _event(self) -> torch.cuda.Event | None:
+        return torch.cuda.Event(enable_timing=True) if self.cuda else None
+
+    # -- backup (D→H) ------------------------------------------------------------------------
+
+    def backup(self, node: TreeNode, wait: bool = False) -> bool:
+        """Back ``node`` (and unbacked ancestors) up to host. False if host space ran out.
+
+        ``wait=True`` (write-back eviction, which frees the device slots as soon as this
+        returns): the compute stream is ordered after the copy and the books are released at
+        once instead of at the next ``poll``.
+        """
+        books = self.tree.backup(node)
+        if books is None:
+            self.stats.backups_refused += 1
+            return False
+        with nvtx_range(f"kvtier.backup {len(books.nodes)} nodes"):
+            keep, nbytes = [], 0
+            start = self._event()
+            if self.cuda:
+                self.write_stream.wait_stream(torch.cuda.current_stream(self.device))
+                ctx = torch.cuda.stream(self.write_stream)
+            else:
+                ctx = _null()
+            with ctx:
+                if start is not None:
+                    start.record()
+                for t in books.transfers:
+                    b = self.bindings[t.pool]
+                    d, h = self._to_device(t.device_indices), self._to_device(t.host_indices)
+                    keep += [d, h]
+                    b.backup(d, h)
+                    nbytes += t.device_indices.numel() * b.bytes_per_index
+                event = self._event()
+                if event is not None:
+                    event.record()
+        self.stats.backups += 1
+        self.stats.d2h_bytes += nbytes
+        if wait:
+            # The caller frees the source slots now. Every later use of them is ordered after
+            # the copy: compute waits for it here, and loads start after compute. The index
+            # tensors are kept by the allocator until the write stream is done with them.
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+                for t in keep:
+                    t.record_stream(self.write_stream)
+            self.tree.finish_backup(books)
+            return True
+        self._backups.append(_Op("backup", books, event, keep, self._step, start, nbytes))
+        return True
+
+    # -- load (H→D) --------------------------------------------------------------------------
+
+    def load_back(self, anchor: TreeNode) -> LoadBack | None:
+        """Commit device slots for ``anchor``'s host-only path and queue the copy.
+
+        The copy starts at the next ``start_loading``; until the load is acknowledged its host
+        data stays pinned and its device slots locked.
+        """
+        books = self.tree.load_back(anchor)
+        if books is not None:
+            self._queued.append(books)
+        return books
+
+    def start_loading(self) -> bool:
+        """Start every queued load, layer by layer, on the load stream. False if none queued."""
+        if not self._queued:
+            self._layer_events = None
+            return False
+        loads, self._queued = self._queued, []
+        merged: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for lb in loads:
+            for t in lb.transfers:
+                d, h = merged.setdefault(t.pool, ([], []))
+                d.append(t.device_indices)
+                h.append(t.host_indices)
+        idx = {
+            pool: (self._to_device(torch.cat(d)), self._to_device(torch.cat(h)))
+            for pool, (d, h) in merged.items()
+        }
+        nbytes = sum(d.numel() * self.bindings[p].bytes_per_index for p, (d, _) in idx.items())
+        events: list[torch.cuda.Event | None] = []
+        start = self._event()
+        if self.cuda:
+            self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
+            ctx = torch.cuda.stream(self.load_stream)
+        else:
+            ctx = _null()
+        with ctx:
+            if start is not None:
+                start.record()
+            for layer, (pool, pool_layer) in enumerate(self.layer_map):
+                if pool in idx:
+                    d, h = idx[pool]
+                    with nvtx_range(f"kvtier.load layer{layer} {pool}"):
+                        self.bindings[pool].load(h, d, pool_layer)
+                ev = self._event()
+                if ev is not None:
+                    ev.record()
+                events.append(ev)
+        self._layer_events = events if self.cuda else None
+        keep = [t for pair in idx.values() for t in pair]
+        self.stats.loads += len(loads)
+        self.stats.h2d_bytes += nbytes
+        self._loads.append(_Op("load", loads, events[-1] if events else None, keep, self._step,
+                               start, nbytes))
+        return True
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current stream wait until layer ``layer`` of the started loads is on device."""
+        if self._layer_events is not None:
+            ev = self._layer_events[layer]
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+
+    # -- acknowledgements ------------------------------------------------------------------
+
+    def _ready(self, queue: deque[_Op]) -> int:
+        n = 0
+        for op in queue:
+            if self._step - op.issued_step < self.ack_delay_steps:
+                break
+            if op.event is not None and not op.event.query():
+                break
+            n += 1
+        return n
+
+    def poll(self) -> tuple[int, int]:
+        """Acknowledge finished backups and loads (agreed across TP ranks); returns the counts."""
+        self._step += 1
+        n_backup, n_load = self._ready(self._backups), self._ready(self._loads)
+        if self.tp_group is not None:
+            import torch.distributed as dist
+
+            counts = torch.tensor([n_backup, n_load], dtype=torch.int64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.tp_group)
+            n_backup, n_load = int(counts[0]), int(counts[1])
+        for _ in range(n_backup):
+            op = self._backups.popleft()
+            self._account(op, "d2h")
+            self.tree.finish_backup(op.books)
+        for _ in range(n_load):
+            op = self._loads.popleft()
+            self._account(op, "h2d")
+            for lb in op.books:
+                self.tree.finish_load_back(lb)
+        return n_backup, n_load
+
+    def _account(self, op: _Op, direction: str) -> None:
+        if op.event is None or op.start is None:
+            return
+        op.event.synchronize()
+        seconds = op.start.elapsed_time(op.event) / 1e3
+        if direction == "d2h":
+            self.stats.d2h_seconds += seconds
+        else:
+            self.stats.h2d_seconds += seconds
+
+    def drain(self) -> None:
+        """Wait for every issued copy and acknowledge it (shutdown, tests).
+
+        Every rank loops the same number of times: the loop's condition is agreed (MAX of the
+        operations still outstanding), so the collectives stay in step.
+        """
+        if self._queued:
+            self.start_loading()
+        while True:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self.poll()
+            remaining = torch.tensor([len(self._backups) + len(self._loads)], dtype=torch.int64)
+            if self.tp_group is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(remaining, op=dist.ReduceOp.MAX, group=self.tp_group)
+            if int(remaining) == 0:
+                return
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._backups) + len(self._loads) + len(self._queued)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
