@@ -1,0 +1,88 @@
+"""Two tensor-parallel ranks on gloo: acks are agreed, so both trees change identically.
+
+Rank 1's copies are acknowledged two steps late (``ack_delay_steps``). With agreement every rank
+acknowledges the same operations in the same step and the trees stay identical after every step;
+without it the ranks' trees drift apart, which shows the check can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvtier.runtime.cache import TieredKVCache
+from kvtier.runtime.config import CacheConfig
+from tests.runtime.test_cache import forward
+
+STEPS = 14
+
+
+def fingerprint(cache: TieredKVCache) -> list:
+    out = []
+    for node in cache.tree.all_nodes():
+        out.append((
+            tuple(node.key),
+            tuple(v is not None for v in node.value),
+            tuple(h is not None for h in node.host_value),
+            tuple(node.lock),
+        ))
+    return out
+
+
+def workload(cache: TieredKVCache, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    conv = step % 3
+    tokens = [conv] * 4 + torch.randint(0, 40, (8 + 4 * (step % 4),), generator=gen).tolist()
+    req = cache.match(tokens)
+    cache.reserve(req, len(tokens) + 2)
+    cache.start_loading()
+    req.token_ids = tokens + [1, 1]
+    forward(cache, req, len(tokens) + 2)
+    cache.cache_finished_req(req)
+
+
+def _rank(rank: int, init: str, agree: bool, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    cfg = CacheConfig(layer_kinds=("full", "full"), kv_heads=1, head_dim=4, page_size=4,
+                      device_tokens=64, dtype=torch.float32, host_ratio=4.0,
+                      write_policy="write_through")
+    cache = TieredKVCache(cfg, tp_group=dist.group.WORLD if agree else None,
+                          ack_delay_steps=2 if rank == 1 else 0)
+    same = []
+    for step in range(STEPS):
+        workload(cache, step)
+        cache.poll()
+        cache.check_integrity()
+        prints = [None, None]
+        dist.all_gather_object(prints, fingerprint(cache))
+        same.append(prints[0] == prints[1])
+    if rank == 0:
+        torch.save(same, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_two_ranks(agree: bool) -> list[bool]:
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'store')}"
+        out = os.path.join(d, "same.pt")
+        mp.start_processes(_rank, args=(init, agree, out), nprocs=2, start_method="spawn")
+        return torch.load(out)
+
+
+@pytest.mark.timeout(240)
+def test_trees_identical_after_every_step_with_agreement():
+    same = run_two_ranks(agree=True)
+    assert len(same) == STEPS and all(same), f"trees differed at steps {[i for i, s in enumerate(same) if not s]}"
+
+
+@pytest.mark.timeout(240)
+def test_without_agreement_trees_drift():
+    same = run_two_ranks(agree=False)
+    assert not all(same), "delayed acks without agreement should make the trees differ"
