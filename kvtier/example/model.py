@@ -1,0 +1,285 @@
+"""The example hybrid decoder: paged full/SWA attention and a Mamba-like layer over kvtier pools.
+
+``forward`` runs layer by layer (so a cache can load layer ``l`` while layer ``l - 1`` computes)
+and, inside a layer, token by token: every token goes through the same fixed-shape kernels
+whether it is computed in a cold run, in a long prefill or in a one-token decode step, so what
+it writes to the pools and its logits are bitwise the same however a sequence is split into
+calls and wherever its prefix came from.
+
+Slot rows, for one request (``P = start_pos``, ``n = len(token_ids)``)::
+
+    position      0 ... P-1 | P ... P+n-1
+    full_slots    cached    | written now        (all read: full attention)
+    swa_slots     -1 ok ..  | written now        (read: [t - swa_window + 1, t] for each t)
+                  ^ needed from P - swa_window + 1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.example.config import HybridModelConfig
+from kvtier.example.layers import (
+    AttentionWeights,
+    MambaWeights,
+    attend,
+    attention_qkv,
+    init_weights,
+    mamba_step,
+    mlp,
+    rms_norm,
+)
+from kvtier.example.pools import ModelPools
+from kvtier.runtime.device_pool import MHADevicePool
+
+__all__ = ["Generation", "HybridModel", "HybridModelConfig", "ModelPools"]
+
+
+class Generation(NamedTuple):
+    """Greedy output: ``tokens[i]`` is the argmax of ``logits[i]`` (``[len(tokens), vocab]`` fp32)."""
+
+    tokens: list[int]
+    logits: torch.Tensor
+
+
+def _slot_row(name: str, row: torch.Tensor | None, lo: int, end: int, size: int) -> torch.Tensor:
+    """Check that ``row[lo:end]`` are slots of a ``size``-slot pool; return ``row[:end]``."""
+    if not isinstance(row, torch.Tensor) or row.dtype != torch.int64 or row.dim() != 1:
+        got = f"{row.dtype} {tuple(row.shape)}" if isinstance(row, torch.Tensor) else type(row)
+        raise ValueError(f"{name}: expected a 1-D int64 tensor, got {got}")
+    if row.numel() < end:
+        raise ValueError(f"{name}: {row.numel()} slots for positions [0, {end})")
+    used = row[lo:end]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= size):
+        raise ValueError(f"{name}: slots of positions [{lo}, {end}) must lie in [0, {size})")
+    return row[:end]
+
+
+class HybridModel:
+    """Random-weight hybrid decoder over kvtier's device pools (see module docstring).
+
+    Args:
+        config: shapes, dtypes and seed; equal configs give bitwise-equal weights.
+        device: where weights and compute live; the pools passed in must be there too.
+    """
+
+    def __init__(self, config: HybridModelConfig, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.embed, self.layers, self.final_norm, self.lm_head = init_weights(config, self.device)
+
+    def new_pools(
+        self, full_size: int, swa_size: int | None = None, mamba_size: int = 1, page_size: int = 1
+    ) -> ModelPools:
+        """Pools for this model on its device (see :meth:`ModelPools.create`)."""
+        return ModelPools.create(
+            self.config, full_size, swa_size, mamba_size, self.device, page_size
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        start_pos: int,
+        full_slots: torch.Tensor,
+        swa_slots: torch.Tensor | None,
+        mamba_slot: int | None,
+        pools: ModelPools,
+        wait_layer: Callable[[int], None] | None = None,
+        mamba_checkpoints: Mapping[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Compute positions ``[start_pos, start_pos + n)`` of one request, reading its prefix
+        from the pools and writing the new tokens' K/V and Mamba state into them.
+
+        Args:
+            token_ids: the ``n >= 1`` new tokens.
+            start_pos: tokens already in the pools (K/V at their slots, Mamba state in
+                ``mamba_slot`` as of exactly ``start_pos`` tokens). At 0 the state is reset.
+            full_slots: int64 ``[>= start_pos + n]``; ``full_slots[t]`` is position ``t``'s slot in
+                ``pools.full_pool``. Entries past ``start_pos + n`` are ignored.
+            swa_slots: like ``full_slots`` for ``pools.swa_pool``; only positions from
+                ``start_pos - swa_window + 1`` on are read, older ones may be -1. Required iff the
+                model has SWA layers.
+            mamba_slot: the request's slot in ``pools.mamba_pool``; required iff the model has
+                Mamba layers. Holds the state after ``start_pos + n`` tokens on return.
+            pools: the pools of this model.
+            wait_layer: called with each global layer index before that layer touches a pool
+                (layer-wise load-back waits there).
+            mamba_checkpoints: ``{seqlen: slot}`` with ``start_pos < seqlen <= start_pos + n``:
+                also store the state after ``seqlen`` tokens into ``slot`` (for prefix caching
+                at a boundary inside this call).
+        Returns:
+            ``[n, vocab]`` fp32 logits; row ``i`` predicts position ``start_pos + i + 1``.
+        """
+        c = self.config
+        end = start_pos + len(token_ids)
+        self._check_args(token_ids, start_pos, pools)
+        full = _slot_row("full_slots", full_slots, 0, end, pools.full_pool.size)
+        full = full.to(self.device)
+        swa = None
+        if c.layers_of("swa"):
+            if swa_slots is None:
+                raise ValueError("swa_slots: required, the model has SWA layers")
+            lo = max(0, start_pos - c.swa_window + 1)
+            swa = _slot_row("swa_slots", swa_slots, lo, end, pools.swa_pool.size).to(self.device)
+        checkpoints = self._check_mamba(mamba_slot, mamba_checkpoints, start_pos, end, pools)
+
+        hs = [self.embed[t].clone() for t in token_ids]  # [hidden] each, fresh allocations
+        for layer, kind in enumerate(c.layer_kinds):
+            if wait_layer is not None:
+                wait_layer(layer)
+            mixer, mlp_w = self.layers[layer]
+            idx = c.pool_layer(layer)[1]
+            if kind == "mamba":
+                assert isinstance(mixer, MambaWeights)
+                self._mamba_layer(hs, start_pos, mixer, idx, pools, mamba_slot, checkpoints)
+            else:
+                assert isinstance(mixer, AttentionWeights)
+                pool, row, window = (
+                    (pools.full_pool, full, end)
+                    if kind == "full"
+                    else (pools.swa_pool, swa, c.swa_window)
+                )
+                self._attention_layer(hs, start_pos, mixer, pool, idx, row, window)
+            hs = [mlp(h, mlp_w) for h in hs]
+        return torch.stack([F.linear(rms_norm(h, self.final_norm), self.lm_head) for h in hs])
+
+    def _attention_layer(
+        self,
+        hs: list[torch.Tensor],
+        start_pos: int,
+        w: AttentionWeights,
+        pool: MHADevicePool,
+        layer: int,
+        row: torch.Tensor,
+        window: int,
+    ) -> None:
+        """Write each new token's K/V at its slot, then attend over the last ``window`` positions
+        read back from the pool (so fresh and cached positions look alike)."""
+        c = self.config
+        k_buf, v_buf = pool.k(layer), pool.v(layer)
+        new_slots = row[start_pos:].tolist()
+        for i, h in enumerate(hs):
+            pos = start_pos + i
+            q, k, v = attention_qkv(h, pos, w, c.kv_heads, c.head_dim)
+            k_buf[new_slots[i]] = k.to(k_buf.dtype)
+            v_buf[new_slots[i]] = v.to(v_buf.dtype)
+            seen = row[max(0, pos - window + 1) : pos + 1]
+            keys = k_buf.index_select(0, seen).float()
+            values = v_buf.index_select(0, seen).float()
+            hs[i] = h + F.linear(attend(q, keys, values), w.wo)
+
+    def _mamba_layer(
+        self,
+        hs: list[torch.Tensor],
+        start_pos: int,
+        w: MambaWeights,
+        layer: int,
+        pools: ModelPools,
+        slot: int,
+        checkpoints: Mapping[int, int],
+    ) -> None:
+        """Run the recurrence over the new tokens from the slot's state; store it back."""
+        pool = pools.mamba_pool
+        temporal, conv_buf = pool.temporal[layer], pool.convs[0][layer]
+        if start_pos == 0:
+            state, conv = torch.zeros_like(temporal[slot]), torch.zeros_like(conv_buf[slot])
+        else:
+            state, conv = temporal[slot].clone(), conv_buf[slot].clone()
+        for i, h in enumerate(hs):
+            hs[i], conv, state = mamba_step(h, w, conv, state)
+            dst = checkpoints.get(start_pos + i + 1)
+            if dst is not None:
+                temporal[dst], conv_buf[dst] = state, conv
+        temporal[slot], conv_buf[slot] = state, conv
+
+    def _check_args(self, token_ids: Sequence[int], start_pos: int, pools: ModelPools) -> None:
+        if len(token_ids) == 0:
+            raise ValueError("token_ids: need at least one new token")
+        bad = [t for t in token_ids if not 0 <= int(t) < self.config.vocab]
+        if bad:
+            raise ValueError(f"token_ids: {bad[:4]} outside [0, {self.config.vocab})")
+        if start_pos < 0:
+            raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        pools.check(self.config)
+
+    def _check_mamba(
+        self,
+        mamba_slot: int | None,
+        checkpoints: Mapping[int, int] | None,
+        start_pos: int,
+        end: int,
+        pools: ModelPools,
+    ) -> dict[int, int]:
+        if not self.config.layers_of("mamba"):
+            if checkpoints:
+                raise ValueError("mamba_checkpoints: the model has no Mamba layers")
+            return {}
+        size = pools.mamba_pool.size
+        if mamba_slot is None or not 0 <= mamba_slot < size:
+            raise ValueError(f"mamba_slot: need a slot in [0, {size}), got {mamba_slot}")
+        checkpoints = dict(checkpoints or {})
+        for seqlen, slot in checkpoints.items():
+            if not start_pos < seqlen <= end:
+                raise ValueError(f"mamba_checkpoints: seqlen {seqlen} outside ({start_pos}, {end}]")
+            if not 0 <= slot < size or slot == mamba_slot:
+                raise ValueError(f"mamba_checkpoints: slot {slot} not a free slot in [0, {size})")
+        if len(set(checkpoints.values())) != len(checkpoints):
+            raise ValueError("mamba_checkpoints: slots must be distinct")
+        return checkpoints
+
+    def generate(
+        self,
+        token_ids: Sequence[int],
+        max_new_tokens: int,
+        full_slots: torch.Tensor,
+        swa_slots: torch.Tensor | None,
+        mamba_slot: int | None,
+        pools: ModelPools,
+        start_pos: int = 0,
+        wait_layer: Callable[[int], None] | None = None,
+    ) -> Generation:
+        """Greedy decoding of ``max_new_tokens`` after the prompt ``token_ids``.
+
+        The first ``start_pos < len(token_ids)`` prompt tokens must already be in the pools (as
+        for :meth:`forward`); the rest are prefilled in one call, then each new token but the
+        last is fed back one call at a time. Slot rows must cover
+        ``len(token_ids) + max_new_tokens - 1`` positions; on return the pools hold K/V of all of
+        them and ``mamba_slot`` holds the state after them.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not 0 <= start_pos < len(token_ids):
+            raise ValueError(
+                f"start_pos: {start_pos} must be in [0, {len(token_ids)}): the last prompt "
+                "token is recomputed to get its logits"
+            )
+        args = (full_slots, swa_slots, mamba_slot, pools, wait_layer)
+        logits = [self.forward(list(token_ids[start_pos:]), start_pos, *args)[-1]]
+        tokens = [int(logits[-1].argmax())]
+        for pos in range(len(token_ids), len(token_ids) + max_new_tokens - 1):
+            logits.append(self.forward([tokens[-1]], pos, *args)[-1])
+            tokens.append(int(logits[-1].argmax()))
+        return Generation(tokens, torch.stack(logits))
+
+    def _scratch(self, num_tokens: int) -> tuple[ModelPools, torch.Tensor]:
+        pools = self.new_pools(num_tokens)
+        return pools, torch.arange(num_tokens, dtype=torch.int64, device=self.device)
+
+    def cold_forward(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Reference: ``[n, vocab]`` logits of the whole sequence from private scratch pools."""
+        pools, slots = self._scratch(len(token_ids))
+        swa = slots if pools.swa_pool is not None else None
+        mamba = 0 if pools.mamba_pool is not None else None
+        return self.forward(token_ids, 0, slots, swa, mamba, pools)
+
+    def generate_cold(self, token_ids: Sequence[int], max_new_tokens: int) -> Generation:
+        """Reference: :meth:`generate` from scratch pools, no cache."""
+        pools, slots = self._scratch(len(token_ids) + max_new_tokens)
+        swa = slots if pools.swa_pool is not None else None
+        mamba = 0 if pools.mamba_pool is not None else None
+        return self.generate(token_ids, max_new_tokens, slots, swa, mamba, pools)
