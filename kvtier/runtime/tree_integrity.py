@@ -58,6 +58,8 @@ class IntegrityMixin:
         host_owned = [[] for _ in range(n_comp)]
         for node in nodes[1:]:
             self._check_node(node, evictable, protected, device_owned, host_owned)
+        if self.swa is not None:
+            self._check_swa_translation(nodes[1:])
         for slot, comp in enumerate(self.components):
             if (evictable[slot], protected[slot]) != (self.evictable[slot], self.protected[slot]):
                 _fail(
@@ -137,14 +139,24 @@ class IntegrityMixin:
                         f"{node}: {comp.name} LRU membership device={in_dev} host={in_host} "
                         f"for data device={dev is not None} host={host is not None}"
                     )
-        if self.swa is not None and node.value[self.swa.slot] is not None:
-            expect = self.swa.swa_alloc.translate(node.value[0])
-            if not torch.equal(expect, node.value[self.swa.slot]):
-                _fail(f"{node}: SWA slots differ from the translation of its FULL slots")
         if (node in self.device_leaves) != self._is_device_leaf(node):
             _fail(f"{node}: device leaf set membership {node in self.device_leaves} is stale")
         if (node in self.host_leaves) != self._is_host_leaf(node):
             _fail(f"{node}: host leaf set membership {node in self.host_leaves} is stale")
+
+    def _check_swa_translation(self: UnifiedRadixTree, nodes: list[TreeNode]) -> None:
+        """SWA device slots equal the translation of the node's FULL slots (one batched
+        lookup; the failing node is searched only on a mismatch)."""
+        s = self.swa.slot
+        with_swa = [n for n in nodes if n.value[s] is not None]
+        if not with_swa:
+            return
+        expect = self.swa.swa_alloc.translate(torch.cat([n.value[0] for n in with_swa]))
+        if torch.equal(expect, torch.cat([n.value[s] for n in with_swa])):
+            return
+        for node in with_swa:
+            if not torch.equal(self.swa.swa_alloc.translate(node.value[0]), node.value[s]):
+                _fail(f"{node}: SWA slots differ from the translation of its FULL slots")
 
     def _check_pools(
         self: UnifiedRadixTree,

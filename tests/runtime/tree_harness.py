@@ -24,7 +24,8 @@ class Harness:
     """A tree plus the slots requests hold, so ``check`` can prove every slot is accounted for."""
 
     def __init__(self, page_size: int, swa_window: int | None = None, mamba: bool = False,
-                 pages: int = 64, host: bool = False, **kw) -> None:
+                 pages: int = 64, host: bool = False, host_pages: int | None = None,
+                 mamba_slots: int = 16, **kw) -> None:
         self.P = page_size
         if swa_window is not None:
             pages = max(pages, 12 * -(-swa_window // page_size))
@@ -32,8 +33,8 @@ class Harness:
             page_size=page_size,
             kv_size=pages * page_size,
             swa_window=swa_window,
-            mamba_size=16 if mamba else None,
-            host_kv_size=pages * page_size if host else None,
+            mamba_size=mamba_slots if mamba else None,
+            host_kv_size=(host_pages or pages) * page_size if host else None,
             **kw,
         )
         self.tree: UnifiedRadixTree = build_tree(cfg)
@@ -80,13 +81,13 @@ class Harness:
 
     def request_owned(self) -> dict[str, int]:
         owned = {"kv": 0, "swa": 0, "mamba": 0}
-        for req in self.requests:
-            own = req.kv_slots[req.cache_protected_len :]
-            owned["kv"] += own.numel()
+        own = [req.kv_slots[req.cache_protected_len :] for req in self.requests]
+        if own:
+            slots = torch.cat(own)
+            owned["kv"] = slots.numel()
             if self.tree.swa is not None:
-                owned["swa"] += int((self.kv.translate(own) >= 0).sum())
-            if req.mamba_slot is not None:
-                owned["mamba"] += 1
+                owned["swa"] = int((self.kv.translate(slots) >= 0).sum())
+        owned["mamba"] = sum(req.mamba_slot is not None for req in self.requests)
         return owned
 
     def check(self) -> None:
