@@ -16,6 +16,7 @@ On CPU there are no streams: copies complete when issued, and ``poll`` acknowled
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -135,6 +136,7 @@ class CacheController:
         with nvtx_range(f"kvtier.backup {len(books.nodes)} nodes"):
             keep, nbytes = [], 0
             start = self._event()
+            t0 = time.perf_counter()
             if self.cuda:
                 self.write_stream.wait_stream(torch.cuda.current_stream(self.device))
                 ctx = torch.cuda.stream(self.write_stream)
@@ -154,6 +156,8 @@ class CacheController:
                     event.record()
         self.stats.backups += 1
         self.stats.d2h_bytes += nbytes
+        if not self.cuda:  # synchronous copies: the host clock times them
+            self.stats.d2h_seconds += time.perf_counter() - t0
         if wait:
             # The caller frees the source slots now. Every later use of them is ordered after
             # the copy: compute waits for it here, and loads start after compute. The index
@@ -199,6 +203,7 @@ class CacheController:
         nbytes = sum(d.numel() * self.bindings[p].bytes_per_index for p, (d, _) in idx.items())
         events: list[torch.cuda.Event | None] = []
         start = self._event()
+        t0 = time.perf_counter()
         if self.cuda:
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
             ctx = torch.cuda.stream(self.load_stream)
@@ -220,6 +225,8 @@ class CacheController:
         keep = [t for pair in idx.values() for t in pair]
         self.stats.loads += len(loads)
         self.stats.h2d_bytes += nbytes
+        if not self.cuda:
+            self.stats.h2d_seconds += time.perf_counter() - t0
         self._loads.append(_Op("load", loads, events[-1] if events else None, keep, self._step,
                                start, nbytes))
         return True

@@ -1,0 +1,73 @@
+"""Greedy generation through ``TieredKVCache``: the model-runner side of the embedding.
+
+``CachedRunner.generate`` is what a serving engine does for one request: match the prompt, load
+host hits back layer by layer while the forward pass runs, compute only the tokens the cache did
+not have, decode greedily, and hand the result back to the cache. The prefill is cut at page
+boundaries so the cache can checkpoint the Mamba state there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.example.model import Generation, HybridModel
+from kvtier.example.pools import ModelPools
+from kvtier.runtime.cache import Request, TieredKVCache
+
+__all__ = ["CachedRunner"]
+
+
+class CachedRunner:
+    """Drives a :class:`HybridModel` whose pools are the cache's device pools."""
+
+    def __init__(self, model: HybridModel, cache: TieredKVCache) -> None:
+        self.model = model
+        self.cache = cache
+        self.pools = ModelPools(cache.full_pool, cache.swa_pool, cache.mamba_pool)
+        self.pools.check(model.config)
+        self.last_request: Request | None = None
+
+    def _forward(self, req: Request, tokens: Sequence[int], start: int) -> torch.Tensor:
+        cache = self.cache
+        mamba = int(req.mamba_slot) if req.mamba_slot is not None else None
+        return self.model.forward(
+            tokens,
+            start,
+            req.kv_slots,
+            cache.swa_slots(req),
+            mamba,
+            self.pools,
+            wait_layer=lambda layer: cache.wait_layer(layer, [req]),
+        )
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, namespace=None) -> Generation:
+        """Greedy decode ``max_new_tokens`` after ``prompt``, reusing whatever the cache holds."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        cache, P = self.cache, self.cache.config.page_size
+        prompt = list(prompt)
+        req = cache.match(prompt, namespace)
+        cache.reserve(req, len(prompt) + max_new_tokens)
+        cache.start_loading()
+        pos = req.cached_len
+        logits = None
+        while pos < len(prompt):  # prefill, cut at page boundaries
+            end = min(len(prompt), (pos // P + 1) * P)
+            logits = self._forward(req, prompt[pos:end], pos)
+            pos = end
+            cache.computed(req, pos)
+        rows = [logits[-1]]
+        out = [int(torch.argmax(rows[-1]))]
+        while len(out) < max_new_tokens:  # decode: the last answer token is never fed back
+            step = self._forward(req, [out[-1]], pos)
+            pos += 1
+            cache.computed(req, pos)
+            rows.append(step[-1])
+            out.append(int(torch.argmax(rows[-1])))
+        req.token_ids = prompt + out[:-1]
+        cache.cache_finished_req(req)
+        cache.poll()
+        self.last_request = req
+        return Generation(out, torch.stack(rows))
