@@ -5,8 +5,9 @@ of 4 turns (128-token user message + 128-token reply each, so prompts reach ~2k 
 conversations branching off another conversation's turn (regenerate/edit). Requests of many
 conversations are interleaved. P = 16. Slot allocation and the request-row concat are not timed.
 
-Two tree sizes: "small" (the trace alone on a pool that evicts to stay near 10^3 nodes; the
-eviction calls are timed separately) and "large" (the tree pre-filled to ~10^5 nodes; no eviction).
+Two tree sizes: "small" (the trace alone on a pool sized so the tree stays near 10^3 live nodes;
+when an allocation fails, 1/32 of the pool is evicted, and those calls are timed separately) and
+"large" (the tree pre-filled to ~10^5 nodes; no eviction).
 
     python3 profiling/bench_tree.py --requests 10000 --out profiling/results
 """
@@ -40,7 +41,10 @@ class Row:
     p99_us: float
     mean_us: float
     nodes_start: int
-    nodes_end: int
+    nodes_mean: int
+    nodes_max: int
+    match_p50_us: float
+    insert_p50_us: float
     evict_calls: int
     evict_p50_us: float
     by_pages: dict[int, float]
@@ -89,7 +93,7 @@ def prefill(tree, kv, n_docs: int, seed: int) -> None:
             tree.insert(seq, torch.cat([m.device_indices, kv.alloc(P)]), prev_prefix_len=m.device_len)
 
 
-def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int) -> Row:
+def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac: int = 32) -> Row:
     tree = build_tree(TreeConfig(page_size=P, kv_size=kv_size))
     kv = tree.full.device_alloc
     prefill(tree, kv, n_docs, seed=1)
@@ -98,9 +102,11 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int) -> Row:
     # the whole tree in the middle of random requests.
     gc.collect()
     gc.freeze()
-    costs, pages, evicts = [], [], []
+    costs, pages, evicts, match_costs, insert_costs, sizes = [], [], [], [], [], []
     clock = time.perf_counter_ns
-    for tokens in trace:
+    for i, tokens in enumerate(trace):
+        if i % 250 == 0:
+            sizes.append(len(tree.all_nodes()))
         prompt = tokens[: len(tokens) - MSG_LEN]
         t0 = clock()
         m = tree.match_prefix(prompt)
@@ -110,7 +116,7 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int) -> Row:
         slots = kv.alloc(need)
         if slots is None:
             e0 = clock()
-            tree.evict(full=need + kv_size // 8)
+            tree.evict(full=need + kv_size // evict_frac)
             evicts.append((clock() - e0) / 1e3)
             slots = kv.alloc(need)
         row = torch.cat([m.device_indices, slots])
@@ -119,7 +125,10 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int) -> Row:
         tree.unlock(handle)
         t3 = clock()
         costs.append((t1 - t0 + t3 - t2) / 1e3)
+        match_costs.append((t1 - t0) / 1e3)
+        insert_costs.append((t3 - t2) / 1e3)
         pages.append(m.device_len // P)
+    sizes.append(len(tree.all_nodes()))
     tree.check_integrity()
     gc.unfreeze()
     buckets: dict[int, list[float]] = {}
@@ -133,7 +142,10 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int) -> Row:
         costs_sorted[int(0.99 * len(costs)) - 1],
         statistics.fmean(costs),
         nodes_start,
-        len(tree.all_nodes()),
+        round(statistics.fmean(sizes[len(sizes) // 2 :])),
+        max(sizes),
+        statistics.median(match_costs),
+        statistics.median(insert_costs),
         len(evicts),
         statistics.median(evicts) if evicts else 0.0,
         {k: statistics.median(v) for k, v in sorted(buckets.items()) if len(v) >= 20},
@@ -149,7 +161,7 @@ def plot(rows: list[Row], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for r in rows:
         xs = list(r.by_pages)
-        ax.plot(xs, [r.by_pages[x] for x in xs], marker="o", label=f"{r.name} (~{r.nodes_end:,} nodes)")
+        ax.plot(xs, [r.by_pages[x] for x in xs], marker="o", label=f"{r.name} (~{r.nodes_mean:,} nodes)")
     ax.axhline(50, color="grey", ls="--", lw=1, label="target median 50 µs")
     ax.set_xlabel("matched pages (bucket start, P=16)")
     ax.set_ylabel("median µs per request (match+lock+insert+unlock)")
@@ -167,7 +179,7 @@ def main() -> None:
     args = ap.parse_args()
     trace = make_trace(args.requests, seed=0)
     rows = [
-        run("small", trace, kv_size=P * 10_000, n_docs=0),
+        run("small", trace, kv_size=P * 18_000, n_docs=0),
         run("large", trace, kv_size=P * 400_000, n_docs=2000),
     ]
     for r in rows:
@@ -191,13 +203,15 @@ def main() -> None:
         " gc.freeze() after the tree is pre-filled"),
         "- the machine has 2 cores shared with another engineer's test runs: expect noise",
         "",
-        "| tree | requests | nodes start → end | median µs | p99 µs | mean µs | evict calls (median µs) |",
-        "|---|---|---|---|---|---|---|",
+        ("| tree | requests | live nodes: start / mean of 2nd half / max | median µs | p99 µs | mean µs | "
+         "median match+lock / insert+unlock µs | evict calls (median µs) |"),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.name} | {r.requests} | {r.nodes_start:,} → {r.nodes_end:,} | {r.p50_us:.1f} | "
-            f"{r.p99_us:.1f} | {r.mean_us:.1f} | {r.evict_calls} ({r.evict_p50_us:.0f}) |"
+            f"| {r.name} | {r.requests} | {r.nodes_start:,} / {r.nodes_mean:,} / {r.nodes_max:,} | "
+            f"{r.p50_us:.1f} | {r.p99_us:.1f} | {r.mean_us:.1f} | {r.match_p50_us:.1f} / "
+            f"{r.insert_p50_us:.1f} | {r.evict_calls} ({r.evict_p50_us:.0f}) |"
         )
     lines += ["", "Median µs by matched pages (bucket start):", ""]
     for r in rows:
