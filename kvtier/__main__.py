@@ -1,8 +1,9 @@
-"""Command line: ``kvtier demo`` (also ``python -m kvtier demo``).
+"""Command line: ``kvtier demo`` (also ``python -m kvtier demo``) and ``kvtier roundtrip``.
 
-The demo backs pages of a KV pool up to host memory in every host layout, loads them back layer
-by layer into other device slots, and reports bytes moved, bandwidth, the kernel path taken and
-whether every byte came back identical.
+``demo`` runs the example hybrid model through the tiered cache on a multi-user, multi-turn
+workload (see :mod:`kvtier.example.demo`). ``roundtrip`` backs pages of a KV pool up to host memory
+in every host layout, loads them back layer by layer into other device slots, and reports bytes
+moved, bandwidth, the kernel path taken and whether every byte came back identical.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def demo(args: argparse.Namespace) -> int:
+def roundtrip(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.kernels import HostLayout
@@ -79,7 +80,14 @@ def demo(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvtier", description="KV-cache tiering runtime")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="D->H->D round trip through every host layout")
+    demo = sub.add_parser("demo", help="multi-user chat through the tiered cache vs a cold run")
+    demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    demo.add_argument("--users", type=int, default=8)
+    demo.add_argument("--turns", type=int, default=4)
+    demo.add_argument("--write-policy", default="write_through",
+                      choices=["write_through", "write_through_selective", "write_back"])
+    demo.add_argument("--no-progress", action="store_true")
+    d = sub.add_parser("roundtrip", help="D->H->D round trip through every host layout")
     d.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     d.add_argument("--layers", type=int, default=8)
     d.add_argument("--kv-heads", type=int, default=8)
@@ -88,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--tokens", type=int, default=4096)
     args = ap.parse_args(argv)
     if args.cmd == "demo":
-        return demo(args)
+        from kvtier.example.demo import run_demo
+
+        res = run_demo(args.users, args.turns, device=args.device, write_policy=args.write_policy,
+                       progress=not args.no_progress)
+        return 0 if res.identical else 1
+    if args.cmd == "roundtrip":
+        return roundtrip(args)
     return 2
 
 

@@ -196,9 +196,6 @@ class TieredKVCache:
             self.counters.load_backs_skipped += 1
         if self.mamba_pool is not None:
             self._give_mamba_state(req, node)
-        if cfg.write_policy == "write_through_selective" and node is not tree.root:
-            if node.hit_count >= 2 and node.host_value[0] is None:
-                self.controller.backup(node)
         req.computed_len = req.cached_len
         self.counters.requests += 1
         self.counters.prompt_tokens += len(tokens)
@@ -321,10 +318,16 @@ class TieredKVCache:
         self._after_insert(req)
 
     def _after_insert(self, req: Request) -> None:
+        """Write-through backs the inserted path up now; write-through-selective backs up the
+        deepest node that an insert has now reached twice (its ancestors come with it)."""
         res = req.last_insert
-        if res is None or self.config.write_policy != "write_through":
+        policy = self.config.write_policy
+        if res is None or policy == "write_back":
             return
         node = res.last_node
+        if policy == "write_through_selective":
+            while node is not self.tree.root and node.hit_count < 2:
+                node = node.parent
         if node is not self.tree.root and node.host_value[0] is None:
             self.controller.backup(node)
 
