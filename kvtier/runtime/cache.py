@@ -13,6 +13,14 @@ A request's life, as a serving engine drives it::
     cache.cache_finished_req(req)          # hand the cacheable prefix to the tree
     cache.poll()                           # every scheduler step: acknowledge finished copies
 
+With L3 storage (``CacheConfig.storage``), host pages are written on to storage after each
+device→host copy, and a waiting request can first be prefetched from storage::
+
+    pf = cache.prefetch(prompt)            # None: not worth a lookup (short, host pool busy)
+    while pf is not None and not pf.done:  # one scheduler step per iteration
+        cache.poll()
+    req = cache.match(prompt)              # the prefetched pages are now host hits
+
 Positions ``[0, req.cached_len)`` of the prompt come from the cache; the runner computes the rest.
 At least the last prompt token is always computed, so the runner has logits to sample from.
 
@@ -33,10 +41,12 @@ from kvtier.runtime.config import CacheConfig
 from kvtier.runtime.controller import CacheController, PoolBinding
 from kvtier.runtime.device_pool import MHADevicePool
 from kvtier.runtime.host_pool import HostPool
+from kvtier.runtime.l3 import L3Tier, Prefetch, swap_host_allocators
 from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool
 from kvtier.runtime.tree_config import TreeConfig, build_tree
 from kvtier.runtime.tree_node import TreeNode
 from kvtier.runtime.tree_requests import CacheRequest
+from kvtier.storage import Direction, StorageBackend, StorageMetrics, Tier
 
 __all__ = ["CacheCounters", "Request", "TieredKVCache"]
 
@@ -89,9 +99,17 @@ class TieredKVCache:
         config: a validated :class:`CacheConfig`.
         tp_group: CPU (gloo) group of tensor-parallel ranks that must agree, or None.
         ack_delay_steps: test hook; see :class:`CacheController`.
+        storage_backend: an L3 backend to use instead of building ``config.storage.backend``
+            (needs ``config.storage``).
     """
 
-    def __init__(self, config: CacheConfig, tp_group=None, ack_delay_steps: int = 0) -> None:
+    def __init__(
+        self,
+        config: CacheConfig,
+        tp_group=None,
+        ack_delay_steps: int = 0,
+        storage_backend: StorageBackend | None = None,
+    ) -> None:
         self.config = cfg = config
         self.device = torch.device(cfg.device)
         P = cfg.page_size
@@ -151,6 +169,14 @@ class TieredKVCache:
         self.layer_map = layer_map
         self.counters = CacheCounters()
         self.requests: dict[int, Request] = {}
+        self.tier_metrics = StorageMetrics()
+        self._host_seen = (0, 0.0, 0, 0.0)
+        self.l3: L3Tier | None = None
+        if cfg.storage is not None:
+            swap_host_allocators(self)
+            self.l3 = L3Tier(self, self.tier_metrics, storage_backend)
+        elif storage_backend is not None:
+            raise ValueError("storage_backend needs config.storage")
 
     # -- match and load-back ---------------------------------------------------------------
 
@@ -201,8 +227,29 @@ class TieredKVCache:
         self.counters.prompt_tokens += len(tokens)
         self.counters.device_hit_tokens += req.device_hit
         self.counters.host_hit_tokens += req.host_hit
+        self.tier_metrics.add_hit_tokens(Tier.DEVICE, req.device_hit)
+        self.tier_metrics.add_hit_tokens(Tier.HOST, req.host_hit)
         self.requests[id(req)] = req
         return req
+
+    # -- L3 prefetch ---------------------------------------------------------------------------
+
+    def prefetch(self, token_ids: Sequence[int], namespace: Hashable = None) -> Prefetch | None:
+        """Look the tokens beyond ``token_ids``' cached prefix up in L3 and read them to host.
+
+        Progress is made in ``poll``; once ``done``, ``match`` finds the pages on host. Returns
+        None when no prefetch was started (no storage, too short, host pool busy). Under TP
+        every rank must make the same calls in the same order.
+        """
+        if self.l3 is None:
+            return None
+        with nvtx_range(f"kvtier.prefetch {len(token_ids)} tokens"):
+            return self.l3.prefetch(token_ids, namespace)
+
+    def abort_prefetch(self, prefetch: Prefetch) -> None:
+        """Give up ``prefetch`` (request aborted); what it holds is released exactly once."""
+        if self.l3 is not None:
+            self.l3.abort(prefetch)
 
     def _give_mamba_state(self, req: Request, node: TreeNode) -> None:
         """A state slot for the request: a copy of the anchor's state, or zeros from position 0."""
@@ -341,8 +388,25 @@ class TieredKVCache:
     # -- per step ----------------------------------------------------------------------------
 
     def poll(self) -> tuple[int, int]:
-        """Acknowledge finished backups and loads (call once per scheduler step)."""
-        return self.controller.poll()
+        """Acknowledge finished backups and loads, and move L3 prefetches and backups on
+        (call once per scheduler step; under TP, one all-reduce)."""
+        extra = self.l3.local_votes() if self.l3 is not None else None
+        acks = self.controller.poll(extra)
+        if self.l3 is not None:
+            self.l3.apply(extra)
+        self._account_host()
+        return acks
+
+    def _account_host(self) -> None:
+        s = self.controller.stats
+        seen = (s.d2h_bytes, s.d2h_seconds, s.h2d_bytes, s.h2d_seconds)
+        old, self._host_seen = self._host_seen, seen
+        if seen[0] > old[0]:
+            self.tier_metrics.add_transfer(Tier.HOST, Direction.WRITE, seen[0] - old[0],
+                                           seen[1] - old[1])
+        if seen[2] > old[2]:
+            self.tier_metrics.add_transfer(Tier.HOST, Direction.READ, seen[2] - old[2],
+                                           seen[3] - old[3])
 
     def evict(self, tokens: int) -> int:
         """Free at least ``tokens`` FULL device slots if possible; returns tokens freed."""
@@ -357,8 +421,28 @@ class TieredKVCache:
         self.counters.evicted_tokens += res.full
 
     def drain(self) -> None:
-        """Wait for and acknowledge every copy in flight."""
+        """Wait for and acknowledge every copy in flight, and every L3 backup and prefetch.
+
+        Ends when every rank has nothing outstanding (agreed: MAX), so ranks stay in step.
+        """
         self.controller.drain()
+        if self.l3 is None:
+            return
+        while True:
+            self.l3.wait_some(0.05)
+            self.poll()
+            left = torch.tensor([self.l3.outstanding], dtype=torch.int64)
+            if self.controller.tp_group is not None:
+                import torch.distributed as dist
+
+                dist.all_reduce(left, op=dist.ReduceOp.MAX, group=self.controller.tp_group)
+            if int(left) == 0:
+                return
+
+    def close(self) -> None:
+        """Stop the L3 threads and release the backend (after ``drain``)."""
+        if self.l3 is not None:
+            self.l3.close()
 
     def request_owned(self) -> dict[str, int]:
         owned = {"kv": 0, "swa": 0, "mamba": 0}
@@ -371,10 +455,16 @@ class TieredKVCache:
         return owned
 
     def check_integrity(self) -> None:
-        """Recount the tree and every pool against the slots running requests hold."""
+        """Recount the tree and every pool against the slots running requests hold (and the
+        host slots in-flight prefetches reserved)."""
         self.tree.check_integrity(self.request_owned())
+        if self.l3 is not None:
+            self.l3.check()
 
     def metrics(self) -> dict[str, float]:
+        """Monotonic counters as a flat dict: the cache's own, the copies', and per tier
+        (``tier.hit_tokens.storage``, ``tier.gbps.storage.read``, ``tier.prefetch.complete``,
+        ``tier.backup_failures``, ...) and the L3 decisions (``l3.*``)."""
         s = self.controller.stats
         out: dict[str, float] = self.counters.as_dict()
         out.update(
@@ -386,7 +476,32 @@ class TieredKVCache:
             d2h_gbps=s.d2h_bytes / s.d2h_seconds / 1e9 if s.d2h_seconds else 0.0,
             h2d_gbps=s.h2d_bytes / s.h2d_seconds / 1e9 if s.h2d_seconds else 0.0,
         )
+        out.update({f"tier.{k}": v for k, v in self.tier_metrics.snapshot().items()})
+        if self.l3 is not None:
+            out.update({f"l3.{k}": v for k, v in sorted(self.l3.counters.items())})
         return out
+
+    def prometheus(self) -> str:
+        """Per-tier counters (hits, bytes, GB/s, prefetch outcomes, backup failures) and the L3
+        decisions, in Prometheus text format."""
+        text = self.tier_metrics.prometheus()
+        if self.l3 is None:
+            return text
+        c = self.l3.counters
+        lines = [
+            "# HELP kvtier_l3_decisions_total L3 hits loaded or recomputed (load-or-recompute).",
+            "# TYPE kvtier_l3_decisions_total counter",
+            f'kvtier_l3_decisions_total{{decision="load"}} {c["l3_decision_load"]}',
+            f'kvtier_l3_decisions_total{{decision="recompute"}} {c["l3_decision_recompute"]}',
+            "# HELP kvtier_prefetch_revoked_total Prefetches revoked, by reason.",
+            "# TYPE kvtier_prefetch_revoked_total counter",
+        ]
+        for reason in ("below_threshold", "declined", "host_capacity", "timed_out"):
+            lines.append(
+                f'kvtier_prefetch_revoked_total{{reason="{reason}"}} '
+                f'{c[f"prefetch_revoked_{reason}"]}'
+            )
+        return text + "\n".join(lines) + "\n"
 
 
 def _kv_binding(name: str, host: HostPool) -> PoolBinding:

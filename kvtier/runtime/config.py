@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -10,10 +12,75 @@ from kvtier.kernels.kv_transfer import TransferKnobs
 from kvtier.kernels.layout import HostLayout
 from kvtier.runtime.mamba_pool import MambaStateSpec
 
-__all__ = ["CacheConfig", "WRITE_POLICIES", "LAYER_KINDS"]
+__all__ = ["CacheConfig", "LAYER_KINDS", "PREFETCH_POLICIES", "StorageConfig", "WRITE_POLICIES"]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 LAYER_KINDS = ("full", "swa", "mamba")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """The L3 tier: which backend, and how prefetch and backup use it.
+
+    Attributes:
+        backend: a registered backend name (``kvtier.storage.available_backends()``).
+        backend_config: keyword arguments of that backend's ``Config`` (e.g. ``root`` for
+            ``"file"``, ``master_address`` for ``"mooncake"``).
+        namespace_key: a deployment-wide salt folded into every page key (with each request's
+            own namespace: LoRA id, cache salt); processes share L3 pages only if it matches.
+        prefetch_policy: when a prefetch may stop and hand over what arrived:
+            ``"best_effort"`` (at the next step), ``"wait_complete"`` (only when every hit page
+            arrived or the read failed) or ``"timeout"`` (complete, or after
+            ``prefetch_timeout_base_s + prefetch_timeout_per_ki_token_s * tokens / 1024``).
+        prefetch_min_tokens: prefetches shorter than this (or than one page) are not started,
+            and ones whose agreed hit is shorter are revoked.
+        host_occupancy_limit: in-flight prefetches may hold at most this fraction of the FULL
+            host pool (tokens); more are not started.
+        write_to_storage: back host pages up to L3 after each device→host copy.
+        rank_replicated: every TP rank holds the same bytes (MLA-style caches): only rank 0
+            writes, under rank-free keys. Otherwise pages are per-rank head shards.
+        prefill_tokens_per_s: the model's prefill rate; an L3 hit whose load (at the measured
+            storage bandwidth) would take longer than recomputing it is skipped. None: always load.
+        assumed_storage_gbps: storage read GB/s to assume before any read was measured.
+        backup_retries: extra attempts for pages whose L3 write failed, before counting them.
+        batch_pages: pages per backend call.
+    """
+
+    backend: str = "file"
+    backend_config: Mapping[str, Any] = field(default_factory=dict)
+    namespace_key: str = ""
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_base_s: float = 1.0
+    prefetch_timeout_per_ki_token_s: float = 0.25
+    prefetch_min_tokens: int = 256
+    host_occupancy_limit: float = 0.8
+    write_to_storage: bool = True
+    rank_replicated: bool = False
+    prefill_tokens_per_s: float | None = None
+    assumed_storage_gbps: float | None = None
+    backup_retries: int = 2
+    batch_pages: int = 128
+
+    def __post_init__(self) -> None:
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"prefetch_policy: unknown {self.prefetch_policy!r}; choose from {PREFETCH_POLICIES}"
+            )
+        if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_ki_token_s < 0:
+            raise ValueError("prefetch timeouts must be >= 0 seconds")
+        if self.prefetch_min_tokens < 0:
+            raise ValueError("prefetch_min_tokens must be >= 0")
+        if not 0 < self.host_occupancy_limit <= 1:
+            raise ValueError(
+                f"host_occupancy_limit must be in (0, 1], got {self.host_occupancy_limit}"
+            )
+        for name in ("prefill_tokens_per_s", "assumed_storage_gbps"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive or None, got {v}")
+        if self.backup_retries < 0 or self.batch_pages < 1:
+            raise ValueError("need backup_retries >= 0 and batch_pages >= 1")
 
 
 @dataclass(frozen=True)
@@ -39,6 +106,8 @@ class CacheConfig:
         load_back_max_tokens: a load larger than this is refused (recomputed); None: no limit.
         knobs: copy-kernel launch knobs (grid cap, tile bytes, warps).
         device: where device pools live.
+        model_id: checkpoint identity (name and revision); seeds every L3 page key.
+        storage: the L3 tier, or None for none (needs ``model_id``).
     """
 
     layer_kinds: tuple[str, ...]
@@ -60,6 +129,8 @@ class CacheConfig:
     load_back_max_tokens: int | None = None
     knobs: TransferKnobs | None = field(default=None, compare=False)
     device: str = "cpu"
+    model_id: str = ""
+    storage: StorageConfig | None = None
 
     def __post_init__(self) -> None:
         kinds = tuple(self.layer_kinds)
@@ -104,6 +175,11 @@ class CacheConfig:
             )
         if self.load_back_min_tokens < 0:
             raise ValueError("load_back_min_tokens must be >= 0")
+        if self.storage is not None and not self.model_id:
+            raise ValueError(
+                "model_id: needed with storage (L3 keys must name the checkpoint, or two models "
+                "would read each other's pages)"
+            )
 
     # -- derived sizes -------------------------------------------------------------------------
 

@@ -9,7 +9,9 @@
   fired and the operation is acknowledged in ``poll``; only then are its books released.
 - With tensor-parallel ranks, each ``poll`` makes exactly one fixed-size all-reduce (MIN) on a CPU
   (gloo) group over the counts of completed backups and loads, so every rank acknowledges the
-  same operations in the same step and their trees change identically.
+  same operations in the same step and their trees change identically. Other agreed values
+  (the L3 tier's) ride in the same collective (``poll(extra)``).
+- An acknowledged backup is reported to ``on_backup_done`` (the L3 tier writes it on from host).
 
 On CPU there are no streams: copies complete when issued, and ``poll`` acknowledges them.
 """
@@ -111,6 +113,9 @@ class CacheController:
         self._queued: list[LoadBack] = []
         self._layer_events: list[torch.cuda.Event] | None = None
         self._step = 0
+        #: called with ``(books, event)`` once a backup's D→H copy is acknowledged (``event``:
+        #: its completion event on CUDA, already complete; None on CPU).
+        self.on_backup_done: Callable[[Backup, torch.cuda.Event | None], None] | None = None
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -167,6 +172,8 @@ class CacheController:
                 for t in keep:
                     t.record_stream(self.write_stream)
             self.tree.finish_backup(books)
+            if self.on_backup_done is not None:
+                self.on_backup_done(books, event)
             return True
         self._backups.append(_Op("backup", books, event, keep, self._step, start, nbytes))
         return True
@@ -250,20 +257,30 @@ class CacheController:
             n += 1
         return n
 
-    def poll(self) -> tuple[int, int]:
-        """Acknowledge finished backups and loads (agreed across TP ranks); returns the counts."""
+    def poll(self, extra: torch.Tensor | None = None) -> tuple[int, int]:
+        """Acknowledge finished backups and loads (agreed across TP ranks); returns the counts.
+
+        ``extra``: int64 ``[n]`` local values every rank must agree on (MIN), reduced in place
+        in the same all-reduce; its length must be the same on every rank and every step.
+        """
         self._step += 1
         n_backup, n_load = self._ready(self._backups), self._ready(self._loads)
         if self.tp_group is not None:
             import torch.distributed as dist
 
             counts = torch.tensor([n_backup, n_load], dtype=torch.int64)
+            if extra is not None:
+                counts = torch.cat([counts, extra])
             dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.tp_group)
             n_backup, n_load = int(counts[0]), int(counts[1])
+            if extra is not None:
+                extra.copy_(counts[2:])
         for _ in range(n_backup):
             op = self._backups.popleft()
             self._account(op, "d2h")
             self.tree.finish_backup(op.books)
+            if self.on_backup_done is not None:
+                self.on_backup_done(op.books, op.event)
         for _ in range(n_load):
             op = self._loads.popleft()
             self._account(op, "h2d")

@@ -1,0 +1,503 @@
+"""The L3 tier of a ``TieredKVCache``: backup to storage, prefetch from it, and their agreement.
+
+Page keys: every node carries its page hashes (``TreeNode.page_hashes``), a SHA-256 chain seeded
+by the request's namespace digest (``namespace_for``); they are computed once, when a node is first
+backed up or used as a prefetch anchor, and follow the node through splits.
+
+Agreement across TP ranks (behaviour.md §4.6, users.md §2.3): each ``poll`` adds one fixed-size
+int64 vector to the controller's single all-reduce (MIN). Its length never depends on local state:
+
+    [0]                 backup jobs finished (FIFO prefix)      -> unpin that many jobs
+    [1]                 terminated prefetches whose IO stopped  -> release their leftover slots
+    [2 + 2i, 3 + 2i]    query i (oldest QUERY_SLOTS): hit pages or -1 if not back, worth loading
+    [2 + 2Q + 4j ...]   load j (oldest VOTE_SLOTS): may terminate, completed pages, SWA pages,
+                        Mamba state                             -> terminate and commit
+
+A value a rank has not got yet is -1 (or 0 for a vote), so MIN waits for the slowest rank. Each
+decision is then taken on the agreed values on every rank, in the same order.
+
+Load or recompute: a hit whose load at the measured storage bandwidth would take longer than
+recomputing it at ``prefill_tokens_per_s`` is declined (each decision is counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.runtime.l3_backup import BackupJob, BackupWriter
+from kvtier.runtime.l3_pools import L3Pool, namespace_for, reserving
+from kvtier.runtime.l3_prefetch import Prefetch, PrefetchWorkers, attach_swa, graft
+from kvtier.runtime.tree_node import TreeNode, page_align
+from kvtier.runtime.tree_types import Backup
+from kvtier.storage import (
+    KeyScope,
+    Namespace,
+    PrefetchOutcome,
+    StorageBackend,
+    StorageMetrics,
+    Tier,
+    create_backend,
+    page_hashes,
+)
+
+if TYPE_CHECKING:
+    from kvtier.runtime.cache import TieredKVCache
+
+__all__ = ["L3Tier", "Prefetch"]
+
+log = logging.getLogger(__name__)
+
+QUERY_SLOTS = 4
+VOTE_SLOTS = 4
+_STORED_MEMORY = 1 << 20  # (pool, hash) pairs remembered as already in L3
+
+
+def swap_host_allocators(cache: TieredKVCache) -> None:
+    """Give the tree's host pools reserving allocators (before anything is allocated)."""
+    for comp in cache.tree.components:
+        if comp.host_alloc is not None:
+            comp.host_alloc = reserving(comp.host_alloc)
+
+
+class L3Tier:
+    """Backup and prefetch between a cache's host pools and a storage backend.
+
+    Args:
+        cache: the owning cache (its config has ``storage`` set).
+        backend: a backend to use instead of building ``config.storage.backend``.
+        metrics: the cache's tier metrics (a given backend keeps its own).
+    """
+
+    def __init__(
+        self,
+        cache: TieredKVCache,
+        metrics: StorageMetrics,
+        backend: StorageBackend | None = None,
+    ) -> None:
+        cfg = cache.config
+        st = cfg.storage
+        assert st is not None
+        self.cache, self.cfg, self.st, self.tree = cache, cfg, st, cache.tree
+        self.tp_group = cache.controller.tp_group
+        rank, size = 0, 1
+        if self.tp_group is not None:
+            import torch.distributed as dist
+
+            rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+        self.tp_size = size
+        scope = KeyScope.for_namespace(namespace_for(cfg, None, size), rank, size)
+        if backend is None:
+            backend = create_backend(st.backend, scope=scope, metrics=metrics, **st.backend_config)
+        self.backend = backend
+        self.metrics = backend.metrics
+        P, B = cfg.page_size, st.batch_pages
+        self.pools = {"kv": L3Pool("kv", cache.host_full, P, B)}
+        if cache.host_swa is not None:
+            self.pools["swa"] = L3Pool("swa", cache.host_swa, P, B)
+        if cache.host_mamba is not None:
+            self.pools["mamba"] = L3Pool("mamba", cache.host_mamba, P, B)
+        self.W = math.ceil(cfg.swa_window / P) if cache.host_swa is not None else 0
+        if self.W > B:
+            raise ValueError(f"storage.batch_pages={B} is smaller than the SWA window of {self.W} pages")
+        for pool in self.pools.values():
+            backend.register_host_buffer(pool.region())
+            pool.register.append(backend.register_host_buffer)
+        self.writer = BackupWriter(backend, self.pools, st.backup_retries, self.metrics,
+                                   backend.scope.writes)
+        self.workers = PrefetchWorkers(backend, self.pools, self.W)
+        self.threshold_pages = max(1, math.ceil(st.prefetch_min_tokens / P))
+        self.counters: Counter[str] = Counter()
+        self.inflight_tokens = 0
+        self._namespaces: dict[Hashable, Namespace] = {}
+        self._stored: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._pending: set[tuple[str, str]] = set()
+        self._backups: deque[BackupJob] = deque()
+        self._querying: deque[Prefetch] = deque()
+        self._loading: deque[Prefetch] = deque()
+        self._draining: deque[Prefetch] = deque()
+        self._voted: tuple[list[Prefetch], list[Prefetch]] = ([], [])
+        cache.controller.on_backup_done = self._on_backup_done
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def namespace(self, request_namespace: Hashable) -> Namespace:
+        ns = self._namespaces.get(request_namespace)
+        if ns is None:
+            ns = namespace_for(self.cfg, request_namespace, self.tp_size)
+            self._namespaces[request_namespace] = ns
+        return ns
+
+    def node_hashes(self, node: TreeNode) -> list[str]:
+        """``node``'s page hashes, computing those of it and its ancestors that lack them."""
+        path, x = [], node
+        while x.parent is not None and x.page_hashes is None:
+            path.append(x)
+            x = x.parent
+        prev = x.page_hashes[-1] if x.parent is not None else None
+        for y in reversed(path):
+            y.page_hashes = page_hashes(y.key, self.namespace(y.namespace), prev)
+            prev = y.page_hashes[-1]
+        return node.page_hashes or []
+
+    # -- backup --------------------------------------------------------------------------------
+
+    def _on_backup_done(self, books: Backup, event) -> None:
+        """A D→H copy was acknowledged: queue the L3 write of the path's host pages not yet
+        stored, host-pinning every node it reads until the write is done."""
+        if not self.st.write_to_storage:
+            return
+        node = books.lock.node
+        if node.parent is None or not node.attached:
+            return
+        path = []
+        while node.parent is not None:
+            path.append(node)
+            node = node.parent
+        swa, mamba = self.tree.swa, self.tree.mamba
+        pages: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+        pins = []
+        for x in reversed(path):
+            if x.host_value[0] is None:
+                continue  # write-back: a leaf is backed up before its parent
+            hashes = self.node_hashes(x)
+            took = self._add_pages(pages, "kv", hashes, x.host_value[0])
+            if swa is not None and x.host_value[swa.slot] is not None:
+                took |= self._add_pages(pages, "swa", hashes, x.host_value[swa.slot])
+            if mamba is not None and x.host_value[mamba.slot] is not None:
+                took |= self._add_pages(pages, "mamba", hashes[-1:], x.host_value[mamba.slot])
+            if took:
+                pins.append(self.tree.pin_host(x))
+        if not pins:
+            return
+        job = BackupJob({p: (h, torch.cat(s)) for p, (h, s) in pages.items()}, pins, event)
+        self._backups.append(job)
+        self.writer.submit(job)
+
+    def _add_pages(self, pages, pool: str, hashes: list[str], slots: torch.Tensor) -> bool:
+        ids = self.pools[pool].pages_of(slots)
+        keep = [i for i, h in enumerate(hashes) if (pool, h) not in self._stored
+                and (pool, h) not in self._pending]
+        if not keep:
+            return False
+        hs, chunks = pages.setdefault(pool, ([], []))
+        for i in keep:
+            self._pending.add((pool, hashes[i]))
+            hs.append(hashes[i])
+        chunks.append(ids[torch.tensor(keep, dtype=torch.int64)])
+        return True
+
+    def _finish_backup(self, job: BackupJob) -> None:
+        for pin in job.pins:
+            self.tree.unpin_host(pin)
+        for pool, (hashes, _) in job.pages.items():
+            for h in hashes:
+                self._pending.discard((pool, h))
+        for key in job.stored:
+            self._stored[key] = None
+            self._stored.move_to_end(key)
+        while len(self._stored) > _STORED_MEMORY:
+            self._stored.popitem(last=False)
+        self.counters["backup_pages"] += len(job.stored)
+        self.counters["backup_failed_pages"] += job.failed_pages
+
+    # -- prefetch: start -----------------------------------------------------------------------
+
+    def prefetch(self, token_ids: Sequence[int], namespace: Hashable = None) -> Prefetch | None:
+        """Start a prefetch of the tokens beyond the cached prefix of ``token_ids``.
+
+        Returns None when not admitted (too short, or in-flight prefetches hold too much of the
+        host pool). Every TP rank must make the same calls in the same order.
+        """
+        P = self.cfg.page_size
+        tokens = page_align(list(token_ids)[:-1], P)
+        m = self.tree.match_prefix(tokens, namespace)
+        anchor = m.best_match_node
+        while anchor.parent is not None and anchor.host_value[0] is None:
+            anchor = anchor.parent  # hang host-only nodes only below backed-up ones (#30106)
+        key = tokens[anchor.end :]
+        if len(key) < self.threshold_pages * P:
+            self.counters["prefetch_not_started_short"] += 1
+            return None
+        limit = self.st.host_occupancy_limit * self.cfg.host_kv_tokens
+        if self.inflight_tokens + len(key) > limit:
+            self.counters["prefetch_not_started_host_occupancy"] += 1
+            return None
+        prev = self.node_hashes(anchor)[-1] if anchor.parent is not None else None
+        hashes = page_hashes(key, self.namespace(namespace), prev)
+        pin = self.tree.pin_host(anchor) if anchor.parent is not None else None
+        timeout = (self.st.prefetch_timeout_base_s
+                   + self.st.prefetch_timeout_per_ki_token_s * len(key) / 1024)
+        op = Prefetch(anchor, pin, namespace, key, hashes, timeout)
+        self.inflight_tokens += len(key)
+        self._querying.append(op)
+        self.workers.query(op)
+        return op
+
+    def abort(self, op: Prefetch) -> None:
+        """Stop ``op`` and release what it holds (each resource once; a done op is left alone)."""
+        if op.done:
+            return
+        op.cancel.set()
+        if op.state == "query":
+            self._querying.remove(op)
+        else:
+            self._loading.remove(op)
+            op.leftovers = self._reserved_of(op)
+            self._draining.append(op)
+        self._end(op, PrefetchOutcome.ABORTED)
+
+    # -- agreement -----------------------------------------------------------------------------
+
+    @property
+    def vector_len(self) -> int:
+        return 2 + 2 * QUERY_SLOTS + 4 * VOTE_SLOTS
+
+    def local_votes(self) -> torch.Tensor:
+        """This rank's values for the agreed vector (see the module docstring)."""
+        v = [_ready(self._backups, lambda j: j.done.is_set()),
+             _ready(self._draining, lambda op: op.io_done.is_set())]
+        queries = list(self._querying)[:QUERY_SLOTS]
+        loads = list(self._loading)[:VOTE_SLOTS]
+        self._voted = (queries, loads)
+        for i in range(QUERY_SLOTS):
+            if i >= len(queries):
+                v += [0, 0]
+                continue
+            op = queries[i]
+            if op.query_done.is_set():
+                hits = op.query_hits
+            else:
+                hits = 0 if op.expired() else -1  # a hung query ends at the timeout
+            v += [hits, self._worth(hits)]
+        for j in range(VOTE_SLOTS):
+            if j >= len(loads):
+                v += [0, 0, 0, 0]
+                continue
+            op = loads[j]
+            with op.lock:
+                snap = [op.completed_pages, op.swa_hit, op.mamba_hit]
+            v += [int(self._can_terminate(op))] + snap
+        return torch.tensor(v, dtype=torch.int64)
+
+    def apply(self, v: torch.Tensor) -> None:
+        """Act on the agreed vector: the same decisions on every rank."""
+        vals = v.tolist()
+        queries, loads = self._voted
+        self._voted = ([], [])
+        for _ in range(vals[0]):
+            self._finish_backup(self._backups.popleft())
+        for _ in range(vals[1]):
+            self._release(self._draining.popleft())
+        base = 2 + 2 * QUERY_SLOTS
+        for j, op in enumerate(loads):
+            can, pages, swa, mamba = vals[base + 4 * j : base + 4 * j + 4]
+            if can and not op.done:
+                self._commit(op, pages, swa, mamba)
+        for i, op in enumerate(queries):
+            hits, worth = vals[2 + 2 * i], vals[3 + 2 * i]
+            if hits >= 0 and not op.done:
+                self._querying.remove(op)
+                self._start_load(op, hits, bool(worth))
+
+    @property
+    def outstanding(self) -> int:
+        return len(self._backups) + len(self._querying) + len(self._loading) + len(self._draining)
+
+    def wait_some(self, timeout: float) -> None:
+        """Block until the oldest outstanding background step finishes, or ``timeout``."""
+        for q, ev in ((self._backups, "done"), (self._draining, "io_done"),
+                      (self._querying, "query_done"), (self._loading, "io_done")):
+            if q:
+                getattr(q[0], ev).wait(timeout)
+                return
+
+    # -- prefetch: decisions ---------------------------------------------------------------------
+
+    def _worth(self, hits: int) -> int:
+        """1 if loading ``hits`` pages from L3 is expected to beat recomputing them."""
+        rate = self.st.prefill_tokens_per_s
+        if rate is None or hits <= 0:
+            return 1
+        snap = self.metrics.snapshot()
+        gbps = snap["gbps.storage.read"] or self.st.assumed_storage_gbps
+        if not gbps:
+            return 1  # nothing measured yet: try it, and measure
+        nbytes = hits * sum(p.page_bytes for n, p in self.pools.items() if n != "mamba")
+        if "mamba" in self.pools:
+            nbytes += self.pools["mamba"].page_bytes
+        load_s = nbytes / (gbps * 1e9)
+        h2d = snap["gbps.host.read"]
+        if h2d:
+            load_s += nbytes / (h2d * 1e9)
+        return int(load_s <= hits * self.cfg.page_size / rate)
+
+    def _can_terminate(self, op: Prefetch) -> bool:
+        policy = self.st.prefetch_policy
+        if policy == "best_effort" or op.io_done.is_set():
+            return True
+        return policy == "timeout" and op.expired()
+
+    def _start_load(self, op: Prefetch, hits: int, worth: bool) -> None:
+        if hits < self.threshold_pages:
+            reason = "timed_out" if not op.query_done.is_set() else "below_threshold"
+            return self._revoke(op, reason)
+        self.counters["l3_decision_load" if worth else "l3_decision_recompute"] += 1
+        if not worth:
+            return self._revoke(op, "declined")
+        P, tree = self.cfg.page_size, self.tree
+        kv = tree.full.host_alloc
+        short = hits * P - kv.available_size()
+        if short > 0:
+            tree.evict_host(full=short)
+            hits = min(hits, kv.available_size() // P)
+            if hits < self.threshold_pages:
+                return self._revoke(op, "host_capacity")
+        op.kv_slots = kv.reserve(hits * P)
+        op.planned_pages = hits
+        if tree.swa is not None:
+            op.swa_pages = min(self.W, hits)
+            op.swa_slots = _reserve(tree, tree.swa, op.swa_pages * P)
+        if tree.mamba is not None:
+            op.mamba_slot = _reserve(tree, tree.mamba, 1)
+        if (tree.swa is not None and op.swa_slots is None) or (
+            tree.mamba is not None and op.mamba_slot is None
+        ):
+            self._release_now(op)
+            return self._revoke(op, "host_capacity")
+        op.state = "load"
+        self._loading.append(op)
+        self.workers.load(op)
+
+    def _revoke(self, op: Prefetch, reason: str) -> None:
+        op.reason = reason
+        self.counters[f"prefetch_revoked_{reason}"] += 1
+        outcome = PrefetchOutcome.TIMED_OUT if reason == "timed_out" else PrefetchOutcome.REVOKED
+        self._end(op, outcome)
+
+    def _end(self, op: Prefetch, outcome: PrefetchOutcome) -> None:
+        if op.pin is not None:
+            self.tree.unpin_host(op.pin)
+            op.pin = None
+        self.inflight_tokens -= len(op.tokens)
+        op.outcome = outcome
+        op.state = "done"
+        self.metrics.add_prefetch_outcome(outcome)
+
+    def _commit(self, op: Prefetch, pages: int, swa: int, mamba: int) -> None:
+        """Agreed termination: graft the agreed pages; the rest is released once IO stops."""
+        op.cancel.set()
+        self._loading.remove(op)
+        tree = self.tree
+        end, present, taken = graft(tree, op, pages) if pages else (None, 0, op.kv_slots[:0])
+        kv = tree.full.host_alloc
+        P = self.cfg.page_size
+        kv.unreserve(op.kv_slots[: present if end is not None else pages * P])
+        kv.adopt(taken)
+        leftovers = {"kv": op.kv_slots[pages * P :]}
+        whole = end is not None and pages == op.planned_pages
+        swa_ok = whole and swa == op.swa_pages and op.swa_pages > 0
+        if op.swa_slots is not None:
+            used = attach_swa(tree, op, end) if swa_ok else torch.zeros(0, dtype=torch.bool)
+            if used.numel():
+                tree.swa.host_alloc.adopt(op.swa_slots[used])
+                self._unreserve_pages(tree.swa.host_alloc, op.swa_slots[~used])
+            else:
+                leftovers["swa"] = op.swa_slots
+        if op.mamba_slot is not None:
+            ms = tree.mamba.slot
+            if (whole and mamba >= 1 and end.host_value[ms] is None
+                    and end.host_value[0] is not None):
+                tree.set_host(end, ms, op.mamba_slot.clone())
+                tree.mamba.host_alloc.adopt(op.mamba_slot)
+            else:
+                leftovers["mamba"] = op.mamba_slot
+        op.leftovers = leftovers
+        self._draining.append(op)
+        op.loaded_tokens = taken.numel()
+        self.metrics.add_hit_tokens(Tier.STORAGE, op.loaded_tokens)
+        extras_ok = (op.swa_slots is None or swa_ok) and (
+            op.mamba_slot is None or "mamba" not in leftovers)
+        if op.checksum_misses:
+            outcome = PrefetchOutcome.CHECKSUM_MISS
+        elif pages == op.planned_pages and extras_ok:
+            outcome = PrefetchOutcome.COMPLETE
+        elif not op.io_done.is_set() and op.expired():
+            outcome = PrefetchOutcome.TIMED_OUT
+        else:
+            outcome = PrefetchOutcome.PARTIAL
+        self._end(op, outcome)
+
+    # -- releasing reserved slots ----------------------------------------------------------------
+
+    def _reserved_of(self, op: Prefetch) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, slots in (("kv", op.kv_slots), ("swa", op.swa_slots), ("mamba", op.mamba_slot)):
+            if slots is not None:
+                out[name] = slots
+        return out
+
+    def _release_now(self, op: Prefetch) -> None:
+        op.leftovers = self._reserved_of(op)
+        self._release(op)
+
+    def _release(self, op: Prefetch) -> None:
+        """Return a finished prefetch's unused reserved slots (its IO thread is done)."""
+        allocs = {c.name: c.host_alloc for c in self.tree.components}
+        for name, slots in op.leftovers.items():
+            if slots.numel():
+                self._unreserve_pages(allocs[name], slots)
+        op.leftovers = {}
+
+    @staticmethod
+    def _unreserve_pages(alloc, slots: torch.Tensor) -> None:
+        if slots.numel():
+            alloc.unreserve(slots)
+
+    # -- books ------------------------------------------------------------------------------------
+
+    def reserved_by_ops(self) -> dict[str, int]:
+        """Reserved host slots per pool, recounted from the prefetches that hold them."""
+        out = Counter()
+        for op in list(self._loading) + list(self._draining):
+            held = self._reserved_of(op) if op in self._loading else op.leftovers
+            for name, slots in held.items():
+                out[name] += slots.numel()
+        return dict(out)
+
+    def check(self) -> None:
+        """The host slots reserved in each allocator are exactly those prefetches hold."""
+        held = self.reserved_by_ops()
+        for comp in self.tree.components:
+            alloc = comp.host_alloc
+            if alloc is not None and alloc.reserved != held.get(comp.name, 0):
+                raise AssertionError(
+                    f"{comp.name} host: allocator has {alloc.reserved} reserved slots, "
+                    f"prefetches hold {held.get(comp.name, 0)}"
+                )
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.writer.close(timeout)
+        self.workers.close(timeout)
+        self.backend.close()
+
+
+def _ready(q: deque, is_ready) -> int:
+    n = 0
+    for item in q:
+        if not is_ready(item):
+            break
+        n += 1
+    return n
+
+
+def _reserve(tree, comp, n: int) -> torch.Tensor | None:
+    alloc = comp.host_alloc
+    if alloc.available_size() < n:
+        tree.evict_host(**{comp.kind: n - alloc.available_size()})
+    return alloc.reserve(n) if alloc.available_size() >= n else None

@@ -1,0 +1,133 @@
+"""Backup to L3 (behaviour.md §4.5): after a device→host ack, write the host pages on to storage.
+
+The scheduler thread builds a job (page hashes and host slots per pool, read from the tree) and
+host-pins every node it covers; a background thread writes it, auxiliary pools (SWA, Mamba)
+first, then KV, in batches, reading the host pool's pages in place (layer_first pools are packed
+through a staging buffer). Failed pages are retried a bounded number of times; what still fails
+is counted as a backup failure and never marked stored. The pins are released when every TP rank
+has finished the job (``L3Tier.poll``), so all trees unpin in the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.runtime.l3_pools import L3Pool
+from kvtier.runtime.tree_types import HostPinHandle
+from kvtier.storage import PoolTransfer, StorageBackend, StorageMetrics
+
+__all__ = ["BackupJob", "BackupWriter"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BackupJob:
+    """Pages to write: per pool, page hashes and the host pages (ids) holding them.
+
+    ``pins`` are released by the scheduler once ``done`` is set on every rank; ``stored`` lists
+    the ``(pool, hash)`` pairs that reached L3.
+    """
+
+    pages: dict[str, tuple[list[str], torch.Tensor]]
+    pins: list[HostPinHandle]
+    event: object = None  # CUDA event of the D→H copy (complete before the job is queued)
+    done: threading.Event = field(default_factory=threading.Event)
+    stored: list[tuple[str, str]] = field(default_factory=list)
+    failed_pages: int = 0
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(h) for h, _ in self.pages.values())
+
+
+class BackupWriter:
+    """The background thread that writes backup jobs, in order.
+
+    Args:
+        backend: the L3 store.
+        pools: the L3 pools by name.
+        retries: extra attempts for failed pages.
+        metrics: where backup failures are counted.
+        writes: False on ranks that do not write (rank-replicated caches, rank > 0): jobs are
+            finished without IO.
+    """
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        pools: dict[str, L3Pool],
+        retries: int,
+        metrics: StorageMetrics,
+        writes: bool,
+    ) -> None:
+        self.backend = backend
+        self.pools = pools
+        self.retries = retries
+        self.metrics = metrics
+        self.writes = writes
+        self._queue: queue.Queue[BackupJob | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kvtier-l3-backup", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: BackupJob) -> None:
+        self._queue.put(job)
+
+    def close(self, timeout: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                if self.writes:
+                    self._write(job)
+            except Exception:  # a backend bug must not kill the thread: count the job failed
+                log.exception("L3 backup job of %d pages failed", job.num_pages)
+                job.failed_pages = job.num_pages - len(job.stored)
+            if job.failed_pages:
+                self.metrics.add_backup_failure(job.failed_pages)
+            job.done.set()
+
+    def _write(self, job: BackupJob) -> None:
+        if job.event is not None:
+            job.event.synchronize()
+        # Aux pools first: a KV hit then implies its aux pages were written (or failed loudly).
+        order = [p for p in job.pages if p != "kv"] + (["kv"] if "kv" in job.pages else [])
+        for name in order:
+            hashes, pages = job.pages[name]
+            pool = self.pools[name]
+            B = pool.batch_pages
+            for i in range(0, len(hashes), B):
+                ok = self._write_batch(pool, hashes[i : i + B], pages[i : i + B])
+                job.stored += [(name, h) for h, good in zip(hashes[i : i + B], ok) if good]
+                failed = len(ok) - sum(ok)
+                if failed:
+                    # Stop at the first failed batch: later pages of a prefix are useless
+                    # without it. Every page not written counts as failed.
+                    job.failed_pages += failed + len(hashes) - (i + len(ok))
+                    job.failed_pages += sum(len(job.pages[n][0]) for n in order[order.index(name) + 1 :])
+                    return
+
+    def _write_batch(self, pool: L3Pool, hashes: list[str], pages: torch.Tensor) -> list[bool]:
+        ok = [False] * len(hashes)
+        todo = list(range(len(hashes)))
+        for _ in range(1 + self.retries):
+            idx = torch.tensor(todo, dtype=torch.int64)
+            views = pool.write_views(pages[idx])
+            keys = [hashes[i] for i in todo]
+            res = self.backend.set([PoolTransfer(pool.name, keys, views)]).ok[pool.name]
+            for i, good in zip(todo, res):
+                ok[i] = good
+            todo = [i for i in todo if not ok[i]]
+            if not todo:
+                break
+        return ok

@@ -1,0 +1,259 @@
+"""Prefetch from L3 (behaviour.md §4.4): a background existence query and page reads, then a graft.
+
+One prefetch, :class:`Prefetch`, goes through three states; the scheduler thread moves it on in
+``L3Tier.poll`` only on values every TP rank agreed on, so all trees change identically:
+
+    query  the query thread asks the backend how many leading pages exist (all pools under their
+           hit policies); agreed: MIN of the hit pages -> revoke, or reserve host slots and load
+    load   the IO thread reads KV pages in batches into the reserved host slots, stopping at the
+           first shortfall; only when every KV page arrived does it read the extra pools (SWA:
+           the trailing window pages, all or nothing; Mamba: the state keyed by the last page)
+    done   agreed termination (policy), then one packed MIN of [completed pages, SWA pages,
+           Mamba state]; the agreed pages are grafted onto the tree as host-only nodes
+
+Host slots a prefetch reserved but did not graft are released only once the IO thread is done
+with them (agreed across ranks), so a read still in flight after a timeout or an abort never
+writes into slots someone else owns (#31668).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.runtime.l3_pools import L3Pool
+from kvtier.runtime.tree import UnifiedRadixTree
+from kvtier.runtime.tree_node import TreeNode, match_len
+from kvtier.runtime.tree_types import HostPinHandle
+from kvtier.storage import ALL_PAGES, TRAILING_PAGES, PoolTransfer, PrefetchOutcome, StorageBackend
+
+__all__ = ["Prefetch", "PrefetchWorkers", "graft"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """One request's prefetch; returned by ``TieredKVCache.prefetch``.
+
+    Attributes:
+        tokens: the page-aligned tokens after the anchor that were looked up.
+        state: "query", "load" or "done".
+        outcome: how it ended (a ``PrefetchOutcome``), once done.
+        reason: why it was revoked ("below_threshold", "declined", "host_capacity",
+            "timed_out"), else "".
+        planned_pages: agreed hit pages that were read (0 until loading).
+        loaded_tokens: tokens grafted onto the tree from L3.
+    """
+
+    anchor: TreeNode
+    pin: HostPinHandle | None
+    namespace: Hashable
+    tokens: list[int]
+    hashes: list[str]
+    timeout_s: float
+    start: float = field(default_factory=time.monotonic)
+    state: str = "query"
+    outcome: PrefetchOutcome | None = None
+    reason: str = ""
+    planned_pages: int = 0
+    loaded_tokens: int = 0
+    # query thread
+    query_done: threading.Event = field(default_factory=threading.Event, repr=False)
+    query_hits: int = 0
+    # reserved host slots (scheduler thread)
+    kv_slots: torch.Tensor | None = field(default=None, repr=False)
+    swa_pages: int = 0
+    swa_slots: torch.Tensor | None = field(default=None, repr=False)
+    mamba_slot: torch.Tensor | None = field(default=None, repr=False)
+    leftovers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    # IO thread progress, under ``lock``
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    completed_pages: int = 0
+    swa_hit: int = 0
+    mamba_hit: int = 0
+    checksum_misses: int = 0
+    cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    io_done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.state == "done"
+
+    def expired(self) -> bool:
+        return time.monotonic() - self.start > self.timeout_s
+
+
+class PrefetchWorkers:
+    """The query thread and the IO thread, each serving its queue in order.
+
+    Args:
+        backend: the L3 store.
+        pools: L3 pools by name ("kv" first; "swa", "mamba" when the model has them).
+        swa_window_pages: SWA window in pages (TRAILING_PAGES policy), or 0.
+    """
+
+    def __init__(self, backend: StorageBackend, pools: dict[str, L3Pool], swa_window_pages: int):
+        self.backend = backend
+        self.pools = pools
+        self.W = swa_window_pages
+        self._queries: queue.Queue[Prefetch | None] = queue.Queue()
+        self._loads: queue.Queue[Prefetch | None] = queue.Queue()
+        self._threads = [
+            threading.Thread(target=self._serve, args=(self._queries, self._query),
+                             name="kvtier-l3-query", daemon=True),
+            threading.Thread(target=self._serve, args=(self._loads, self._load),
+                             name="kvtier-l3-prefetch", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def query(self, op: Prefetch) -> None:
+        self._queries.put(op)
+
+    def load(self, op: Prefetch) -> None:
+        self._loads.put(op)
+
+    def close(self, timeout: float) -> None:
+        self._queries.put(None)
+        self._loads.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    @staticmethod
+    def _serve(q: queue.Queue, fn) -> None:
+        while True:
+            op = q.get()
+            if op is None:
+                return
+            try:
+                fn(op)
+            except Exception:  # a backend bug must not kill the thread: the op reads as a miss
+                log.exception("L3 prefetch of %d tokens failed", len(op.tokens))
+            finally:
+                if fn.__name__ == "_query":
+                    op.query_done.set()
+                else:
+                    op.io_done.set()
+
+    # -- query thread --------------------------------------------------------------------------
+
+    def _query(self, op: Prefetch) -> None:
+        if op.cancel.is_set():
+            return
+        transfers = [PoolTransfer("kv", op.hashes, policy=ALL_PAGES)]
+        if "swa" in self.pools:
+            transfers.append(PoolTransfer("swa", op.hashes, policy=TRAILING_PAGES(self.W)))
+        if "mamba" in self.pools:
+            transfers.append(PoolTransfer("mamba", op.hashes, policy=TRAILING_PAGES(1)))
+        op.query_hits = self.backend.exists(transfers)
+
+    # -- IO thread -----------------------------------------------------------------------------
+
+    def _get(self, op: Prefetch, transfers: list[PoolTransfer]):
+        before = self.backend.metrics.snapshot()["checksum_miss_pages"]
+        res = self.backend.get(transfers)
+        misses = self.backend.metrics.snapshot()["checksum_miss_pages"] - before
+        if misses:
+            with op.lock:
+                op.checksum_misses += int(misses)
+        return res
+
+    def _load(self, op: Prefetch) -> None:
+        kv = self.pools["kv"]
+        P, B, n = kv.P, kv.batch_pages, op.planned_pages
+        for i in range(0, n, B):
+            if op.cancel.is_set():
+                return
+            j = min(i + B, n)
+            pages = kv.pages_of(op.kv_slots[i * P : j * P])
+            res = self._get(op, [PoolTransfer("kv", op.hashes[i:j], kv.read_views(pages))])
+            ok = res.hit_pages("kv")
+            kv.finish_read(pages, ok)
+            with op.lock:  # pages [0, completed) are in place before they are counted (#8901)
+                op.completed_pages = i + ok
+            if ok < j - i:
+                return
+        # Extra pools only once every KV page arrived: a partial KV prefix would misalign them.
+        transfers, swa_pages = [], None
+        if "swa" in self.pools and op.swa_pages:
+            swa = self.pools["swa"]
+            swa_pages = swa.pages_of(op.swa_slots)
+            keys = op.hashes[n - op.swa_pages : n]
+            transfers.append(PoolTransfer("swa", keys, swa.read_views(swa_pages)))
+        if "mamba" in self.pools and op.mamba_slot is not None:
+            views = self.pools["mamba"].read_views(op.mamba_slot)
+            transfers.append(PoolTransfer("mamba", [op.hashes[n - 1]], views))
+        if not transfers or op.cancel.is_set():
+            return
+        res = self._get(op, transfers)
+        swa_ok = swa_pages is not None and all(res.ok["swa"])
+        if swa_ok:
+            self.pools["swa"].finish_read(swa_pages, op.swa_pages)
+        with op.lock:
+            op.swa_hit = op.swa_pages if swa_ok else 0
+            op.mamba_hit = int("mamba" in res.ok and all(res.ok["mamba"]))
+
+
+def graft(
+    tree: UnifiedRadixTree, op: Prefetch, pages: int
+) -> tuple[TreeNode | None, int, torch.Tensor]:
+    """Hang the first ``pages`` prefetched pages under ``op.anchor`` as host-only nodes.
+
+    Walks down from the anchor along existing children (splitting a partly matching one) and
+    skips the pages they already hold; the rest becomes one host-only node. Under backup
+    continuity, nothing is hung below a node without host data (#30106): the walk stops there.
+
+    Returns ``(end node or None if stopped, tokens already present, KV slots the tree took)``.
+    """
+    P = tree.page_size
+    total = pages * P
+    key = op.tokens[:total]
+    node, pos = op.anchor, 0
+    while pos < total:
+        at_root = node.parent is None
+        first = key[pos] if P == 1 else tuple(key[pos : pos + P])
+        child = node.children.get((op.namespace, first) if at_root else first)
+        if child is None:
+            break
+        n = match_len(child.key, key, pos, P)
+        if n < len(child.key):
+            child = tree.split(child, n)
+        if tree.backup_continuity and child.host_value[0] is None:
+            return None, pos, op.kv_slots[:0]
+        node, pos = child, pos + n
+    if pos == total:
+        return node, pos, op.kv_slots[:0]
+    leaf = TreeNode(key[pos:total], node, len(tree.components), op.namespace)
+    node.children[tree._child_key(leaf, leaf.key)] = leaf
+    taken = op.kv_slots[pos:total]
+    tree.set_host(leaf, 0, taken.clone())
+    leaf.page_hashes = op.hashes[pos // P : pages]
+    tree._update_leaf(leaf)
+    tree._update_leaf(node)
+    tree._touch(leaf)
+    return leaf, pos, taken
+
+
+def attach_swa(tree: UnifiedRadixTree, op: Prefetch, end: TreeNode) -> torch.Tensor:
+    """Give nodes from ``end`` up to the anchor the prefetched SWA window where they lack SWA
+    host data; returns a bool mask of the window's token slots the tree took."""
+    s, P = tree.swa.slot, tree.page_size
+    lo = end.end - op.swa_pages * P
+    used = torch.zeros(op.swa_slots.numel(), dtype=torch.bool)
+    x = end
+    while x is not op.anchor and x.parent is not None and x.end > lo:
+        if x.host_value[s] is None and x.host_value[0] is not None:
+            if x.start < lo:
+                tree.split(x, lo - x.start)  # x keeps the lower, in-window piece
+            a, b = x.start - lo, x.end - lo
+            tree.set_host(x, s, op.swa_slots[a:b].clone())
+            used[a:b] = True
+        x = x.parent
+    return used
