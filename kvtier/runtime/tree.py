@@ -335,7 +335,9 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         tokens = token_list(token_ids)
         total = len(tokens) - len(tokens) % P
         root = self.root
-        child = root.children.get((namespace, tokens[0] if P == 1 else tuple(tokens[:P]))) if total else None
+        child = None
+        if total:
+            child = root.children.get((namespace, tokens[0] if P == 1 else tuple(tokens[:P])))
         if child is None:
             return MatchResult(_EMPTY, root, root)
         comps = self.components
@@ -406,11 +408,12 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             if cow_mamba and not read_only:
                 cow = self.mamba_copy_on_write(best_dev)
             hits[mamba.slot] = mamba.finalize_match(best, best_dev, best_len)
-        return MatchResult(
-            indices, best_dev, best, hits[0], swa_hit, hits[mamba.slot] if mamba else 0, branching, cow
-        )
+        mamba_hit = hits[mamba.slot] if mamba is not None else 0
+        return MatchResult(indices, best_dev, best, hits[0], swa_hit, mamba_hit, branching, cow)
 
-    def mamba_copy_on_write(self, node: TreeNode, dst: torch.Tensor | None = None) -> MambaCopy | None:
+    def mamba_copy_on_write(
+        self, node: TreeNode, dst: torch.Tensor | None = None
+    ) -> MambaCopy | None:
         """The copy that gives a request its own Mamba state starting from ``node``'s.
 
         A request must not advance the tree's state in place, so it decodes from a copy. With
@@ -468,10 +471,13 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         if value.numel() < total:
             raise ValueError(f"value has {value.numel()} slots for {total} tokens")
         aux = self.aux
-        ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished) if aux else None
+        ctx = None
+        if aux:
+            ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished)
         root = self.root
-        node, pos = root, 0
-        child = root.children.get((namespace, tokens[0] if P == 1 else tuple(tokens[:P]))) if total else None
+        node, pos, child = root, 0, None
+        if total:
+            child = root.children.get((namespace, tokens[0] if P == 1 else tuple(tokens[:P])))
         while child is not None:
             key = child.key
             klen = len(key)

@@ -3,8 +3,9 @@
 A key is a list of token ids, truncated to whole pages of ``P`` tokens. It is a list because
 schedulers hold token ids in lists: a request's tokens are compared slice by slice with node keys
 and never converted whole. Children are found by their first page: the child-dict key is
-``tuple(key[:P])`` (one token id, as an int, when P = 1). Under the root the namespace (LoRA id, cache salt) is part of the child key, so two
-namespaces never share a node; below the root every node inherits its namespace.
+``tuple(key[:P])`` (one token id, as an int, when P = 1). Under the root the namespace (LoRA
+id, cache salt) is part of the child key, so two namespaces never share a node; below the root
+every node inherits its namespace.
 
 Per-component data lives in parallel lists indexed by the component's slot (FULL is slot 0):
 
@@ -112,13 +113,17 @@ def page_align(tokens: Sequence[int] | torch.Tensor, page_size: int) -> list[int
     return tokens[: len(tokens) - len(tokens) % page_size]
 
 
-def child_key(tokens: list[int], pos: int, page_size: int, namespace: Hashable, at_root: bool) -> Hashable:
+def child_key(
+    tokens: list[int], pos: int, page_size: int, namespace: Hashable, at_root: bool
+) -> Hashable:
     """The child-dict key of the page starting at ``pos``."""
     page = tokens[pos] if page_size == 1 else tuple(tokens[pos : pos + page_size])
     return (namespace, page) if at_root else page
 
 
-def match_len(key: list[int], tokens: list[int], pos: int, page_size: int, end: int | None = None) -> int:
+def match_len(
+    key: list[int], tokens: list[int], pos: int, page_size: int, end: int | None = None
+) -> int:
     """Length (a multiple of ``page_size``) of the common prefix of ``key`` and
     ``tokens[pos:end]`` (``end`` defaults to ``len(tokens)``)."""
     n = min(len(key), (len(tokens) if end is None else end) - pos)

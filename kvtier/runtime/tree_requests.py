@@ -10,7 +10,8 @@ pinned with ``lock``. Caching hands the page-aligned part to the tree and frees 
 
 A request's Mamba state summarises all of ``token_ids``, so the tree takes it only where the
 tokens end on a page boundary (a node can hold it there): a finished request hands its slot
-over, a running one donates a copy (``cache_unfinished_req`` returns the copy to issue).
+over, a running one can donate a copy (``cache_unfinished_req(donate_mamba=True)`` returns
+the copy to issue).
 """
 
 from __future__ import annotations
@@ -95,16 +96,19 @@ class RequestCacheMixin:
         req.kv_slots = req.kv_slots[:0]
         req.cache_protected_len = 0
 
-    def cache_unfinished_req(self: UnifiedRadixTree, req: CacheRequest) -> MambaCopy | None:
+    def cache_unfinished_req(
+        self: UnifiedRadixTree, req: CacheRequest, *, donate_mamba: bool = False
+    ) -> MambaCopy | None:
         """Checkpoint a running request (chunked prefill, decode): insert its page-aligned
         tokens, write the tree's slots into ``kv_slots``, move its pin to the new end node and
         advance ``cache_protected_len``.
 
-        MAMBA: when the tokens end on a page boundary, the tree gets a new state slot at the
-        end node (one unpinned state is evicted if the pool is full) and the request keeps its
-        live slot. Returns the copy ``req.mamba_slot`` → the tree's slot that the controller
-        must issue before the next step (None: no state was donated, e.g. the node already had
-        one). Until that copy runs the tree's slot holds no valid state.
+        ``donate_mamba=True`` (MAMBA): when the tokens end on a page boundary, the tree gets a
+        new state slot at the end node (one unpinned state is evicted if the pool is full) and
+        the request keeps its live slot. Returns the copy ``req.mamba_slot`` → the tree's slot,
+        which the caller must issue before the next step (None: nothing donated, e.g. the node
+        already had a state). Until that copy runs the tree's slot holds no valid state, so
+        the flag is opt-in: a caller that does not issue copies must leave it off.
 
         The pin moves to the node ending at the cached length (not to the match anchor): every
         slot the request keeps using must be pinned. Where an SWA tombstone cannot take the
@@ -115,7 +119,7 @@ class RequestCacheMixin:
         if aligned <= req.cache_protected_len:
             return None
         donated = None
-        if req.mamba_slot is not None and aligned == len(req.token_ids):
+        if donate_mamba and req.mamba_slot is not None and aligned == len(req.token_ids):
             donated = self._alloc_mamba_slot()
         res = self.insert(
             req.token_ids[:aligned],

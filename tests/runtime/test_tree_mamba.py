@@ -43,9 +43,8 @@ def test_cow_match_gives_the_request_its_own_slot(P: int, W: int | None) -> None
     assert m.device_len == len(A) and m.mamba_cow is not None
     assert torch.equal(m.mamba_cow.src, src) and int(m.mamba_cow.dst) != int(src)
     assert pool.available_size() == free - 1 and bool(pool.is_allocated(m.mamba_cow.dst).all())
-    req = CacheRequest(
-        list(A), m.device_indices, len(A), h.tree.lock(m.last_device_node), mamba_slot=m.mamba_cow.dst
-    )
+    lock = h.tree.lock(m.last_device_node)
+    req = CacheRequest(list(A), m.device_indices, len(A), lock, mamba_slot=m.mamba_cow.dst)
     h.requests.append(req)
     h.check()  # the new slot is the request's, the source still the tree's
     h.tree.cache_finished_req(req)  # the node has a state already: the request's slot is freed
@@ -114,7 +113,7 @@ def test_unfinished_req_donates_a_copy_of_its_state(P: int, W: int | None) -> No
     req = CacheRequest(list(T), h.alloc(len(T)), mamba_slot=h.mamba_slot())
     h.requests.append(req)
     free = pool.available_size()
-    copy = h.tree.cache_unfinished_req(req)
+    copy = h.tree.cache_unfinished_req(req, donate_mamba=True)
     assert copy is not None and torch.equal(copy.src, req.mamba_slot)
     first = req.lock.node
     assert torch.equal(first.value[s], copy.dst) and int(copy.dst) != int(req.mamba_slot)
@@ -124,7 +123,7 @@ def test_unfinished_req_donates_a_copy_of_its_state(P: int, W: int | None) -> No
     # Decode moves on by a page: a second checkpoint on the new end node.
     req.token_ids += h.tokens(1)
     req.kv_slots = torch.cat([req.kv_slots, h.alloc(P)])
-    copy = h.tree.cache_unfinished_req(req)
+    copy = h.tree.cache_unfinished_req(req, donate_mamba=True)
     assert copy is not None and req.lock.node is not first
     assert torch.equal(req.lock.node.value[s], copy.dst) and first.lock[s] == 0
     h.check()
@@ -132,13 +131,13 @@ def test_unfinished_req_donates_a_copy_of_its_state(P: int, W: int | None) -> No
     twin = CacheRequest(list(req.token_ids), h.alloc(len(req.token_ids)), mamba_slot=h.mamba_slot())
     h.requests.append(twin)
     before = pool.available_size()
-    assert h.tree.cache_unfinished_req(twin) is None and pool.available_size() == before
+    assert h.tree.cache_unfinished_req(twin, donate_mamba=True) is None and pool.available_size() == before
     h.check()
     # Off a page boundary (P > 1) the live state fits no node: FULL is cached, no state given.
     req.token_ids += h.tokens(1) + [7] * (P > 1)
     req.kv_slots = torch.cat([req.kv_slots, h.alloc(2 * P)])
     protected = req.cache_protected_len
-    copy = h.tree.cache_unfinished_req(req)
+    copy = h.tree.cache_unfinished_req(req, donate_mamba=True)
     assert req.cache_protected_len == protected + P
     assert (copy is None) == (P > 1) and pool.available_size() == before - (P == 1)
     h.check()
@@ -151,6 +150,20 @@ def test_unfinished_req_donates_a_copy_of_its_state(P: int, W: int | None) -> No
 
 
 @pytest.mark.parametrize("P,W", MAMBA, ids=MAMBA_IDS)
+def test_unfinished_req_donates_nothing_unless_asked(P: int, W: int | None) -> None:
+    h = Harness(P, W, True)
+    pool = h.tree.mamba.device_alloc
+    T = h.tokens(2)
+    req = CacheRequest(list(T), h.alloc(len(T)), mamba_slot=h.mamba_slot())
+    h.requests.append(req)
+    free = pool.available_size()
+    assert h.tree.cache_unfinished_req(req) is None
+    assert pool.available_size() == free and not states(h)
+    assert req.cache_protected_len == len(T) and h.device_len(T) == 0  # no state to end on
+    h.check()
+
+
+@pytest.mark.parametrize("P,W", MAMBA, ids=MAMBA_IDS)
 def test_unfinished_req_donation_evicts_a_state_on_a_full_pool(P: int, W: int | None) -> None:
     h = Harness(P, W, True)
     pool = h.tree.mamba.device_alloc
@@ -160,7 +173,7 @@ def test_unfinished_req_donation_evicts_a_state_on_a_full_pool(P: int, W: int | 
     req = CacheRequest(list(T), h.alloc(len(T)), mamba_slot=h.mamba_slot())
     h.requests.append(req)
     assert pool.available_size() == 0
-    copy = h.tree.cache_unfinished_req(req)
+    copy = h.tree.cache_unfinished_req(req, donate_mamba=True)
     assert copy is not None and len(states(h)) == pool.size - 1
     assert h.device_len(T) == len(T)
     h.check()

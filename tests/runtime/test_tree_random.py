@@ -28,7 +28,7 @@ CASES = [
     ("mamba-p1", 1, None, True),
     ("swa+mamba-p4-w8", 4, 8, True),
 ]
-STEPS = 2500
+STEPS = 2000
 DEVICE_PAGES, HOST_PAGES = 256, 2048
 MAMBA_SLOTS, HOST_MAMBA_SLOTS = 48, 512
 VOCAB = 4  # few symbols: sequences share prefixes and split nodes, yet branch a lot
@@ -153,7 +153,7 @@ class Sim:
                 if more is not None:
                     req.token_ids = req.token_ids + [rng.randrange(VOCAB) for _ in range(self.P)]
                     req.kv_slots = torch.cat([req.kv_slots, more])
-            tree.cache_unfinished_req(req)
+            tree.cache_unfinished_req(req, donate_mamba=rng.random() < 0.7)
             self.bump("unfinished")
         elif op < 0.50 and tree.swa is not None:
             req = rng.choice(reqs)
@@ -169,8 +169,11 @@ class Sim:
             self.backup()
         elif op < 0.79:
             # Copies complete out of order; pending backups pin device data, so most finish.
-            for pending, finish in ((self.backups, tree.finish_backup), (self.loads, tree.finish_load_back),
-                                    (self.pins, tree.unpin_host)):
+            for pending, finish in (
+                (self.backups, tree.finish_backup),
+                (self.loads, tree.finish_load_back),
+                (self.pins, tree.unpin_host),
+            ):
                 for item in [x for x in pending if rng.random() < 0.7]:
                     pending.remove(item)
                     finish(item)
@@ -211,7 +214,9 @@ class Sim:
 
 @pytest.mark.parametrize("P,window,mamba", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_randomized_interleaving_keeps_books(P: int, window: int | None, mamba: bool, seed: int) -> None:
+def test_randomized_interleaving_keeps_books(
+    P: int, window: int | None, mamba: bool, seed: int
+) -> None:
     sim = Sim(P, window, mamba, seed)
     for i in range(STEPS):
         sim.step()
@@ -226,7 +231,7 @@ def test_randomized_interleaving_keeps_books(P: int, window: int | None, mamba: 
     # loaded back often.
     assert sim.counts["start"] >= STEPS // 6, sim.counts
     assert sim.counts.get("load_back", 0) >= 100, sim.counts
-    assert sim.max_nodes >= 150, f"tree peaked at {sim.max_nodes} nodes"
+    assert sim.max_nodes >= 120, f"tree peaked at {sim.max_nodes} nodes"
     if mamba:
         assert sim.counts.get("cow", 0) >= 20, sim.counts
     sim.drain()
