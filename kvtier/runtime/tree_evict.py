@@ -53,7 +53,9 @@ class EvictionMixin:
             self._evict_aux_device(self.mamba, mamba, freed)
         return self._evict_result(freed)
 
-    def evict_host(self: UnifiedRadixTree, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
+    def evict_host(
+        self: UnifiedRadixTree, full: int = 0, swa: int = 0, mamba: int = 0
+    ) -> EvictResult:
         """Free at least the requested host amounts where unpinned host data allows."""
         freed = [0] * len(self.components)
         if full > 0:
@@ -176,4 +178,3 @@ class EvictionMixin:
                 self._evict_host_leaf(node, freed)
             else:
                 self._tombstone(node, comp, freed, host=True)
-

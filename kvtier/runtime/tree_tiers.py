@@ -198,4 +198,3 @@ class HostTierMixin:
         self.unpin_host(load.pin)
         if not load.anchor.attached:
             raise TreeIntegrityError(f"load-back anchor {load.anchor} left the tree mid-copy")
-
