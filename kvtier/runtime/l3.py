@@ -71,7 +71,7 @@ class L3Tier:
     Args:
         cache: the owning cache (its config has ``storage`` set).
         backend: a backend to use instead of building ``config.storage.backend``.
-        metrics: the cache's tier metrics (a given backend keeps its own).
+        metrics: the cache's tier metrics; the backend counts its transfers there too.
     """
 
     def __init__(
@@ -92,10 +92,13 @@ class L3Tier:
             rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
         self.tp_size = size
         scope = KeyScope.for_namespace(namespace_for(cfg, None, size), rank, size)
+        self.owns_backend = backend is None
         if backend is None:
             backend = create_backend(st.backend, scope=scope, metrics=metrics, **st.backend_config)
+        else:
+            backend.metrics = metrics  # a given backend reports into this cache's counters
         self.backend = backend
-        self.metrics = backend.metrics
+        self.metrics = metrics
         P, B = cfg.page_size, st.batch_pages
         self.pools = {"kv": L3Pool("kv", cache.host_full, P, B)}
         if cache.host_swa is not None:
@@ -484,7 +487,8 @@ class L3Tier:
     def close(self, timeout: float = 5.0) -> None:
         self.writer.close(timeout)
         self.workers.close(timeout)
-        self.backend.close()
+        if self.owns_backend:
+            self.backend.close()
 
 
 def _ready(q: deque, is_ready) -> int:
