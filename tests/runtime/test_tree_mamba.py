@@ -8,6 +8,7 @@ import torch
 from tree_harness import CONFIGS, Harness
 
 from kvtier.runtime import CacheRequest
+from kvtier.runtime.mamba_pool import MambaDevicePool, MambaStateSpec
 
 MAMBA = [(p, w) for _, p, w, m in CONFIGS if m]
 MAMBA_IDS = [f"p{p}-w{w}" for p, w in MAMBA]
@@ -51,6 +52,27 @@ def test_cow_match_gives_the_request_its_own_slot(P: int, W: int | None) -> None
     h.requests.remove(req)
     h.check()
     assert pool.available_size() == free and states(h) == {m.last_device_node.id: int(src)}
+
+
+def test_cow_copy_gives_the_request_the_anchor_state_and_leaves_the_tree_copy_alone() -> None:
+    h = Harness(16, None, True)
+    pool = MambaDevicePool(2, h.tree.mamba.device_alloc.size, MambaStateSpec((2, 4), ((3, 2),)))
+    A = h.tokens(2)
+    src = int(h.insert(A).last_node.value[h.tree.mamba.slot])
+    for t in pool.tensors:
+        t.normal_()
+    ref = [t[:, src].clone() for t in pool.tensors]
+    m = h.tree.match_prefix(A, cow_mamba=True)
+    lock = h.tree.lock(m.last_device_node)
+    pool.copy_slots(m.mamba_cow.src, m.mamba_cow.dst)
+    dst = int(m.mamba_cow.dst)
+    for t, r in zip(pool.tensors, ref, strict=True):
+        assert torch.equal(t[:, dst], r)
+        t[:, dst] += 1  # the request advances its own copy
+        assert torch.equal(t[:, src], r), "the tree's state changed with the request's copy"
+    h.tree.unlock(lock)
+    h.tree.mamba.device_alloc.free(m.mamba_cow.dst)
+    h.check()
 
 
 @pytest.mark.parametrize("P,W", MAMBA, ids=MAMBA_IDS)
