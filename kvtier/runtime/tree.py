@@ -327,9 +327,10 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         equal a regular match's, but where a regular match would split a node the anchors are
         that whole node, which extends past the match: do not lock a read-only result.
 
-        ``cow_mamba=True`` (MAMBA only, not read-only): when ``last_device_node`` holds a device
-        state, give the request a state slot of its own and report the copy in ``mamba_cow``
-        (see ``mamba_copy_on_write``).
+        ``cow_mamba=True`` (MAMBA only, not read-only): when ``best_match_node`` holds a device
+        state (the one the request resumes from), give the request a state slot of its own
+        and report the copy in ``mamba_cow`` (see ``mamba_copy_on_write``). A host-only state
+        gets none: load it back, then call ``mamba_copy_on_write`` on the anchor.
         """
         P = self.page_size
         tokens = token_list(token_ids)
@@ -406,7 +407,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
                 full_len = sum(len(v) for v in values)
                 branching = mamba.branching_seqlen(full_len, int(indices.numel()))
             if cow_mamba and not read_only:
-                cow = self.mamba_copy_on_write(best_dev)
+                cow = self.mamba_copy_on_write(best)
             hits[mamba.slot] = mamba.finalize_match(best, best_dev, best_len)
         mamba_hit = hits[mamba.slot] if mamba is not None else 0
         return MatchResult(indices, best_dev, best, hits[0], swa_hit, mamba_hit, branching, cow)

@@ -76,6 +76,27 @@ def test_cow_copy_gives_the_request_the_anchor_state_and_leaves_the_tree_copy_al
 
 
 @pytest.mark.parametrize("P,W", MAMBA, ids=MAMBA_IDS)
+def test_cow_waits_for_a_host_only_state_to_load_back(P: int, W: int | None) -> None:
+    h = Harness(P, W, True, host=True)
+    s = h.tree.mamba.slot
+    A = h.tokens(2)
+    node = h.insert(A).last_node
+    h.tree.finish_backup(h.tree.backup(node))
+    h.tree.evict(full=10**6)  # demoted: FULL and the state live on host only
+    assert node.evicted and node.value[s] is None and node.host_value[s] is not None
+    free = h.tree.mamba.device_alloc.available_size()
+    m = h.tree.match_prefix(A, cow_mamba=True)
+    assert m.best_match_node is node and m.mamba_host_hit_length == 1
+    assert m.mamba_cow is None and h.tree.mamba.device_alloc.available_size() == free
+    load = h.tree.load_back(node)
+    cow = h.tree.mamba_copy_on_write(node)
+    assert cow is not None and torch.equal(cow.src, node.value[s])
+    h.tree.finish_load_back(load)
+    h.tree.mamba.device_alloc.free(cow.dst)
+    h.check()
+
+
+@pytest.mark.parametrize("P,W", MAMBA, ids=MAMBA_IDS)
 def test_cow_on_a_full_pool_evicts_another_state_not_the_source(P: int, W: int | None) -> None:
     h = Harness(P, W, True)
     pool = h.tree.mamba.device_alloc
