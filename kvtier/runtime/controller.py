@@ -106,7 +106,9 @@ class CacheController:
         self.ack_delay_steps = ack_delay_steps
         self.cuda = device.type == "cuda"
         self.write_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.load_stream = torch.cuda.Stream(device) if self.cuda else None
+        # Loads gate the forward pass layer by layer: a high-priority stream lets their few
+        # copy programs take SM slots as soon as the compute stream's kernels free them.
+        self.load_stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         self.stats = TransferStats()
         self._backups: deque[_Op] = deque()
         self._loads: deque[_Op] = deque()
