@@ -1,5 +1,33 @@
-"""kvtier: KV-cache tiering runtime (device pools, pinned host pools, L3 storage)."""
+"""kvtier: KV-cache tiering runtime (device pools, pinned host pools, L3 storage).
+
+The names a serving engine needs are here; the subpackages hold the rest:
+``kvtier.kernels`` (copy kernels), ``kvtier.runtime`` (pools, tree, controller, cache facade),
+``kvtier.storage`` (L3 keys and backends), ``kvtier.example`` (an example model runner).
+"""
 
 from __future__ import annotations
 
+from kvtier.kernels import HostLayout, TransferKnobs
+from kvtier.runtime.cache import Request, TieredKVCache
+from kvtier.runtime.config import CacheConfig
+from kvtier.runtime.device_pool import MHADevicePool, MLADevicePool
+from kvtier.runtime.host_pool import HostPool
+from kvtier.runtime.indexer_pool import IndexerDevicePool
+from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool, MambaStateSpec
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "CacheConfig",
+    "HostLayout",
+    "HostPool",
+    "IndexerDevicePool",
+    "MHADevicePool",
+    "MLADevicePool",
+    "MambaDevicePool",
+    "MambaHostPool",
+    "MambaStateSpec",
+    "Request",
+    "TieredKVCache",
+    "TransferKnobs",
+]
