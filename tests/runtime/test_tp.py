@@ -46,12 +46,15 @@ def workload(cache: TieredKVCache, step: int) -> None:
     cache.cache_finished_req(req)
 
 
-def _rank(rank: int, init: str, agree: bool, out: str) -> None:
+def _rank(rank: int, init: str, agree: bool, out: str, gpus: bool) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    device = f"cuda:{rank}" if gpus else "cpu"  # data on each rank's GPU; agreement on gloo
+    if gpus:
+        torch.cuda.set_device(rank)
     cfg = CacheConfig(layer_kinds=("full", "full"), kv_heads=1, head_dim=4, page_size=4,
                       device_tokens=64, dtype=torch.float32, host_ratio=4.0,
-                      write_policy="write_through")
+                      write_policy="write_through", device=device)
     cache = TieredKVCache(cfg, tp_group=dist.group.WORLD if agree else None,
                           ack_delay_steps=2 if rank == 1 else 0)
     same = []
@@ -68,11 +71,11 @@ def _rank(rank: int, init: str, agree: bool, out: str) -> None:
     dist.destroy_process_group()
 
 
-def run_two_ranks(agree: bool) -> list[bool]:
+def run_two_ranks(agree: bool, gpus: bool = False) -> list[bool]:
     with tempfile.TemporaryDirectory() as d:
         init = f"file://{os.path.join(d, 'store')}"
         out = os.path.join(d, "same.pt")
-        mp.start_processes(_rank, args=(init, agree, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_rank, args=(init, agree, out, gpus), nprocs=2, start_method="spawn")
         return torch.load(out)
 
 
@@ -86,3 +89,10 @@ def test_trees_identical_after_every_step_with_agreement():
 def test_without_agreement_trees_drift():
     same = run_two_ranks(agree=False)
     assert not all(same), "delayed acks without agreement should make the trees differ"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one per rank)")
+def test_two_gpus_one_rank_each():
+    same = run_two_ranks(agree=True, gpus=True)
+    assert all(same), f"trees differed at steps {[i for i, s in enumerate(same) if not s]}"
