@@ -232,14 +232,20 @@ def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
     dev, stacks, cfg = make_pools("llama3-8b")
     gen = torch.Generator().manual_seed(1)
     out = []
-    cases = [("page_first", "d2h", None), ("layer_first", "h2d", 0), ("page_first", "h2d", 0)]
+    cases = [
+        ("page_first", "d2h", None, 16),
+        ("layer_first", "h2d", 0, 16),
+        ("page_first", "h2d", 0, 16),
+        ("page_first", "d2h", 0, 16),
+        ("page_first", "d2h", 0, 1),
+    ]
     if tune:
-        cases.append(("layer_first", "d2h", None))
+        cases.append(("layer_first", "d2h", None, 16))
     tiles = (8192, 16384, 32768, 65536) if tune else (DEFAULT_KNOBS.tile_bytes,)
     warps = (4, 8, 16) if tune else (DEFAULT_KNOBS.num_warps,)
-    for layout, direction, layer in cases:
-        host = make_host(cfg, layout, 16)
-        didx, hidx = random_slots(16, gen), random_slots(16, gen)
+    for layout, direction, layer, P in cases:
+        host = make_host(cfg, layout, P)
+        didx, hidx = random_slots(P, gen), random_slots(P, gen)
         n_sel = 1 if layer is not None else dev.num_layers
         nbytes = N_TOKENS * dev.num_buffers * n_sel * dev.item_bytes
         ceil = ceiling(nbytes, direction)
@@ -375,7 +381,7 @@ def plot(out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs) -
         ax = axes[1]
         best = {}
         for s in sweep_rows:
-            key = (s["layout"], s["direction"], s["scope"], s["programs"])
+            key = (f"{s['layout']} P{s.get('page_size', 16)}", s["direction"], s["scope"], s["programs"])
             best[key] = max(best.get(key, 0), s["pct"])
         for case in sorted({k[:3] for k in best}):
             xs = sorted(p for (lay, d, sc, p) in best if (lay, d, sc) == case)
@@ -385,7 +391,7 @@ def plot(out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs) -
         ax.set_ylabel("% of copy-engine ceiling (best tile/warps)")
         ax.axhline(95, color="k", ls="--", lw=0.8)
         ax.legend(fontsize=8)
-        ax.set_title("bandwidth vs grid size, Llama-3-8B shape, P=16")
+        ax.set_title("bandwidth vs grid size, Llama-3-8B shape")
     fig.suptitle(f"{info['gpu']} — {info['date']}")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "bench_transfer.png"), dpi=130)
