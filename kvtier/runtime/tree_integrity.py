@@ -120,18 +120,18 @@ class IntegrityMixin:
                 _fail(f"{node}: {comp.name} pins {lock}/{host_lock} (FULL pin {node.lock[0]})")
             if (lock and dev is None) or (host_lock and host is None):
                 _fail(f"{node}: {comp.name} pinned ({lock}/{host_lock}) without data on that tier")
-            for tier, data, owned in (("device", dev, device_owned), ("host", host, host_owned)):
-                if data is not None:
-                    if data.numel() != amount:
-                        _fail(
-                            f"{node}: {comp.name} {tier} has {data.numel()} slots, expected {amount}"
-                        )
-                    owned[s].append(data)
             if dev is not None:
+                if dev.numel() != amount:
+                    _fail(f"{node}: {comp.name} device has {dev.numel()} slots, expected {amount}")
+                device_owned[s].append(dev)
                 if lock:
                     protected[s] += amount
                 else:
                     evictable[s] += amount
+            if host is not None:
+                if host.numel() != amount:
+                    _fail(f"{node}: {comp.name} host has {host.numel()} slots, expected {amount}")
+                host_owned[s].append(host)
             if comp.has_lru:
                 in_dev, in_host = node.id in comp.device_lru, node.id in comp.host_lru
                 if in_dev != (dev is not None) or in_host != (dev is None and host is not None):

@@ -28,7 +28,7 @@ CASES = [
     ("mamba-p1", 1, None, True),
     ("swa+mamba-p4-w8", 4, 8, True),
 ]
-STEPS = 2000
+STEPS = 2500
 DEVICE_PAGES, HOST_PAGES = 256, 2048
 MAMBA_SLOTS, HOST_MAMBA_SLOTS = 48, 512
 VOCAB = 4  # few symbols: sequences share prefixes and split nodes, yet branch a lot
@@ -213,7 +213,7 @@ class Sim:
 
 
 @pytest.mark.parametrize("P,window,mamba", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])
 def test_randomized_interleaving_keeps_books(
     P: int, window: int | None, mamba: bool, seed: int
 ) -> None:
@@ -231,7 +231,7 @@ def test_randomized_interleaving_keeps_books(
     # loaded back often.
     assert sim.counts["start"] >= STEPS // 6, sim.counts
     assert sim.counts.get("load_back", 0) >= 100, sim.counts
-    assert sim.max_nodes >= 120, f"tree peaked at {sim.max_nodes} nodes"
+    assert sim.max_nodes >= 150, f"tree peaked at {sim.max_nodes} nodes"
     if mamba:
         assert sim.counts.get("cow", 0) >= 20, sim.counts
     sim.drain()
