@@ -338,14 +338,14 @@ def write_report(
     if sweep_rows:
         lines += [
             "",
-            "## Bandwidth against grid size (Llama shape, P=16)",
+            "## Bandwidth against grid size (Llama shape)",
             "",
-            "| layout | dir | scope | programs | tile bytes | warps | GB/s | % ceiling |",
-            "|---|---|---|---|---|---|---|---|",
+            "| layout | P | dir | scope | programs | tile bytes | warps | GB/s | % ceiling |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for s in sweep_rows:
             lines.append(
-                f"| {s['layout']} | {s['direction']} | {s['scope']} | {s['programs']} | "
+                f"| {s['layout']} | {s['page_size']} | {s['direction']} | {s['scope']} | {s['programs']} | "
                 f"{s['tile_bytes']} | {s['num_warps']} | {s['gbs']:.1f} | {s['pct']:.1f}% |"
             )
     with open(os.path.join(out, "bench_transfer.md"), "w") as f:
