@@ -266,6 +266,7 @@ def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
                         dict(
                             layout=layout,
                             direction=direction,
+                            page_size=P,
                             scope="all" if layer is None else "layer",
                             programs=programs,
                             tile_bytes=tile,
