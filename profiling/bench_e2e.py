@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvtier.kernels import set_debug_checks  # noqa: E402
+from kvtier.kernels import TransferKnobs, set_debug_checks  # noqa: E402
 from kvtier.runtime.cache import TieredKVCache  # noqa: E402
 from kvtier.runtime.config import CacheConfig  # noqa: E402
 
@@ -118,6 +118,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=L)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: checks the flow only")
+    ap.add_argument("--programs", type=int, default=None, help="copy-kernel grid cap")
     args = ap.parse_args()
     global HIDDEN, QH, FFN, VOCAB
     if args.smoke:
@@ -133,6 +134,7 @@ def main() -> None:
         layer_kinds=("full",) * args.layers, kv_heads=KVH, head_dim=HD, page_size=P,
         device_tokens=4 * args.prompt, dtype=torch.bfloat16, host_ratio=2.0,
         write_policy="write_through", device=dev.type,
+        knobs=TransferKnobs(num_programs=args.programs) if args.programs else None,
     )
     cache = TieredKVCache(cfg)
     model = LlamaShaped(args.layers, dev)
