@@ -31,7 +31,9 @@ class PageAllocator:
         if not 1 <= page_size <= 256:
             raise ValueError(f"page_size must be in [1, 256], got {page_size}")
         if size <= 0 or size % page_size:
-            raise ValueError(f"size must be a positive multiple of page_size={page_size}, got {size}")
+            raise ValueError(
+                f"size must be a positive multiple of page_size={page_size}, got {size}"
+            )
         self.size = size
         self.page_size = page_size
         self.name = name
@@ -131,7 +133,9 @@ class PageAllocator:
             )
         runs = s.view(-1, P)
         first = runs[:, 0]
-        if bool((first % P != 0).any()) or not torch.equal(runs - first[:, None], self._page_offsets.expand_as(runs)):
+        if bool((first % P != 0).any()) or not torch.equal(
+            runs - first[:, None], self._page_offsets.expand_as(runs)
+        ):
             raise ValueError(f"{self.name}: slots are not page-aligned runs of {P} tokens")
         return first // P
 
