@@ -38,12 +38,14 @@ def _backend(kind: str, where: str):
 
 def _producer(kind: str, where: str, models: list[str]) -> None:
     backend = _backend(kind, where)
+    caches = []  # kept alive: a freed host pool's address may come back, already registered
     for model in models:
         cache = make_l3_cache(model, backend)
         produce(cache, conversations(SEED))
         m = cache.metrics()
         assert m["tier.backup_failures"] == 0 and m["tier.bytes.storage.write"] > 0, m
         cache.close()
+        caches.append(cache)
     backend.close()
 
 
@@ -67,9 +69,11 @@ def test_producer_consumer_identical_bytes(l3_location):
     kind, where = l3_location
     _run_producer(kind, where, list(MODELS))
     backend = _backend(kind, where)
+    caches = []
     try:
         for model in MODELS:
             cache = make_l3_cache(model, backend)
+            caches.append(cache)
             for conv in conversations(SEED):
                 pf, req = prefetch_and_run(cache, second_turn(conv))
                 assert pf.outcome is PrefetchOutcome.COMPLETE, (model, pf)
