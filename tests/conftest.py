@@ -13,6 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Test tensors are tiny: intra-op threads only add overhead, and thrash when the machine is busy.
+torch.set_num_threads(1)
+
 import pytest  # noqa: E402
 
 

@@ -9,6 +9,7 @@ logits) is compared with a cold run of the same model that uses no cache.
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from kvtier.example.config import HybridModelConfig
 from kvtier.example.model import HybridModel
 from kvtier.example.runner import CachedRunner
 from kvtier.runtime.cache import TieredKVCache
-from kvtier.runtime.config import CacheConfig
+from kvtier.runtime.config import CacheConfig, StorageConfig
 
 __all__ = ["DemoResult", "run_demo"]
 
@@ -58,16 +59,30 @@ def run_demo(
     write_policy: str = "write_through",
     seed: int = 0,
     progress: bool = True,
+    l3: bool = True,
     out=print,
 ) -> DemoResult:
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory(prefix="kvtier-l3-") as root:
+        return _run(users, turns, answer_tokens, device, write_policy, seed, progress,
+                    root if l3 else None, out)
+
+
+def _run(users, turns, answer_tokens, device, write_policy, seed, progress, l3_root, out) -> DemoResult:
     mc = HybridModelConfig(layer_kinds=("full", "swa", "mamba", "full", "swa", "full"), seed=seed)
     model = HybridModel(mc, device=device)
     cfg = CacheConfig(
         layer_kinds=mc.layer_kinds, kv_heads=mc.kv_heads, head_dim=mc.head_dim, page_size=16,
         device_tokens=512, dtype=mc.dtype, swa_window=mc.swa_window, swa_tokens=512,
-        mamba=mc.mamba_spec(), mamba_slots=16, host_ratio=8.0, write_policy=write_policy,
-        device=device,
+        mamba=mc.mamba_spec(), mamba_slots=16, write_policy=write_policy, device=device,
+        # With L3 the host holds one device pool's worth, so early turns drop out of host
+        # memory and come back from storage.
+        host_ratio=1.0 if l3_root else 8.0,
+        model_id=f"kvtier-demo-{seed}",
+        storage=StorageConfig(
+            backend="file", backend_config={"root": l3_root}, prefetch_min_tokens=16,
+            prefetch_policy="wait_complete",
+        ) if l3_root else None,
     )
     cache = TieredKVCache(cfg)
     runner = CachedRunner(model, cache)
@@ -77,7 +92,7 @@ def run_demo(
     out(
         f"kvtier demo: {users} users x {turns} turns, hybrid model {mc.layer_kinds} on {device}; "
         f"device pool {cfg.device_tokens} tokens, host {cfg.host_kv_tokens}, page {cfg.page_size}, "
-        f"{write_policy}"
+        f"{write_policy}, L3 {'file store in ' + l3_root if l3_root else 'off'}"
     )
     bar = _Progress(users * turns, progress)
     identical = True
@@ -86,6 +101,10 @@ def run_demo(
         for u in range(users):
             msg = torch.randint(0, mc.vocab, (16 + 8 * ((u + turn) % 3),), generator=gen).tolist()
             prompt = history[u] + msg
+            pf = cache.prefetch(prompt)  # read what only L3 has back to host first
+            while pf is not None and not pf.done:
+                cache.poll()
+                time.sleep(0.001)  # a scheduler step: the read runs on the L3 thread
             got = runner.generate(prompt, answer_tokens)
             req = runner.last_request
             cold = model.generate_cold(prompt, answer_tokens)
@@ -97,11 +116,18 @@ def run_demo(
     cache.check_integrity()
     seconds = time.perf_counter() - t0
     m = cache.metrics()
+    cache.close()
     total = m["prompt_tokens"]
     out(f"prompt tokens          {total}")
     out(f"hit tokens, device     {m['device_hit_tokens']} ({100 * m['device_hit_tokens'] / total:.1f}%)")
     out(f"hit tokens, host       {m['host_hit_tokens']} ({100 * m['host_hit_tokens'] / total:.1f}%)")
-    out("hit tokens, storage    0 (no L3 backend configured)")
+    storage = int(m.get("tier.hit_tokens.storage", 0))
+    out(f"hit tokens, storage    {storage} (read from L3 to host ahead of the request; counted again as host hits)")
+    if l3_root:
+        wb = m.get("tier.bytes.storage.write", 0)
+        rb = m.get("tier.bytes.storage.read", 0)
+        out(f"L3 written / read      {wb / 2**20:.2f} / {rb / 2**20:.2f} MiB, "
+            f"{m.get('tier.gbps.storage.write', 0):.3g} / {m.get('tier.gbps.storage.read', 0):.3g} GB/s")
     out(f"evicted from device    {m['evicted_tokens']} tokens")
     out(f"backed up D->H         {m['d2h_bytes'] / 2**20:.2f} MiB in {m['backups']} backups, {m['d2h_gbps']:.3g} GB/s")
     out(f"loaded back H->D       {m['h2d_bytes'] / 2**20:.2f} MiB in {m['loads']} loads, {m['h2d_gbps']:.3g} GB/s")
