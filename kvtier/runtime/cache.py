@@ -7,8 +7,9 @@ A request's life, as a serving engine drives it::
     cache.reserve(req, len(prompt) + max_new_tokens)
     cache.start_loading()                  # once per batch: layer-by-layer H→D starts
     # forward: layer i calls cache.wait_layer(i) before reading its KV; it writes new K/V at
-    # req.kv_slots[pos] (full layers), cache.swa_slots(req)[pos] (SWA layers) and the Mamba
-    # state at req.mamba_slot
+    # req.kv_slots[pos] (full layers; the MLA latent there with ``mla_dim``, and the DSA indexer
+    # key and scale in page req.kv_slots[pos] // P of cache.indexer_pool with ``indexer``),
+    # cache.swa_slots(req)[pos] (SWA layers) and the Mamba state at req.mamba_slot
     cache.computed(req, n)                 # n tokens' KV/state are written (checkpoints Mamba)
     cache.cache_finished_req(req)          # hand the cacheable prefix to the tree
     cache.poll()                           # every scheduler step: acknowledge finished copies
@@ -39,8 +40,9 @@ import torch
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.config import CacheConfig
 from kvtier.runtime.controller import CacheController, PoolBinding
-from kvtier.runtime.device_pool import MHADevicePool
+from kvtier.runtime.device_pool import MHADevicePool, MLADevicePool
 from kvtier.runtime.host_pool import HostPool
+from kvtier.runtime.indexer_pool import IndexerDevicePool
 from kvtier.runtime.l3 import L3Tier, Prefetch, swap_host_allocators
 from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool
 from kvtier.runtime.tree_config import TreeConfig, build_tree
@@ -115,7 +117,16 @@ class TieredKVCache:
         P = cfg.page_size
         full, swa, mamba = cfg.layers_of("full"), cfg.layers_of("swa"), cfg.layers_of("mamba")
         H, D, dt = cfg.kv_heads, cfg.head_dim, cfg.dtype
-        self.full_pool = MHADevicePool(len(full), cfg.device_tokens, H, D, dt, self.device, P)
+        self.full_pool: MHADevicePool | MLADevicePool = (
+            MLADevicePool(len(full), cfg.device_tokens, cfg.mla_dim, dt, self.device, P)
+            if cfg.mla_dim is not None
+            else MHADevicePool(len(full), cfg.device_tokens, H, D, dt, self.device, P)
+        )
+        self.indexer_pool = (
+            IndexerDevicePool(len(full), cfg.device_tokens // P, P, device=self.device)
+            if cfg.indexer
+            else None
+        )
         self.swa_pool = (
             MHADevicePool(len(swa), cfg.swa_device_tokens, H, D, dt, self.device, P) if swa else None
         )
@@ -124,6 +135,12 @@ class TieredKVCache:
         )
         k = cfg.knobs
         self.host_full = HostPool(self.full_pool, cfg.host_layout, size=cfg.host_kv_tokens, knobs=k)
+        # Host page p of the indexer belongs to host KV page p (slots [p * P, p * P + P)).
+        self.host_indexer = (
+            HostPool(self.indexer_pool, cfg.host_layout, size=cfg.host_kv_tokens // P, knobs=k)
+            if cfg.indexer
+            else None
+        )
         self.host_swa = (
             HostPool(self.swa_pool, cfg.host_layout, size=cfg.host_swa_tokens, knobs=k) if swa else None
         )
@@ -147,7 +164,7 @@ class TieredKVCache:
             write_back=self._write_back if write_back else None,
         )
         self.kv_alloc = self.tree.full.device_alloc
-        bindings = {"kv": _kv_binding("kv", self.host_full)}
+        bindings = {"kv": _kv_binding("kv", self.host_full, self.host_indexer)}
         layer_map: list[tuple[str, int]] = []
         for kind in cfg.layer_kinds:
             pool = {"full": "kv", "swa": "swa", "mamba": "mamba"}[kind]
@@ -504,14 +521,29 @@ class TieredKVCache:
         return text + "\n".join(lines) + "\n"
 
 
-def _kv_binding(name: str, host: HostPool) -> PoolBinding:
-    return PoolBinding(
-        name,
-        lambda d, h: host.backup(d, h, check=False),
-        lambda h, d, layer: host.load(h, d, layer=layer, check=False),
-        host.device_pool.bytes_per_token,
-        host.device_pool.num_layers,
-    )
+def _kv_binding(name: str, host: HostPool, indexer: HostPool | None = None) -> PoolBinding:
+    """Copies of a KV pool; with ``indexer``, its pages ride along with the KV pages."""
+    if indexer is None:
+        return PoolBinding(
+            name,
+            lambda d, h: host.backup(d, h, check=False),
+            lambda h, d, layer: host.load(h, d, layer=layer, check=False),
+            host.device_pool.bytes_per_token,
+            host.device_pool.num_layers,
+        )
+    P = host.page_size
+
+    def backup(d: torch.Tensor, h: torch.Tensor) -> None:
+        host.backup(d, h, check=False)
+        # Tree slots come in whole, page-aligned pages: a page's first slot names it.
+        indexer.backup(d[::P] // P, h[::P] // P, check=False)
+
+    def load(h: torch.Tensor, d: torch.Tensor, layer: int) -> None:
+        host.load(h, d, layer=layer, check=False)
+        indexer.load(h[::P] // P, d[::P] // P, layer=layer, check=False)
+
+    per_token = host.device_pool.bytes_per_token + indexer.device_pool.bytes_per_token // P
+    return PoolBinding(name, backup, load, per_token, host.device_pool.num_layers)
 
 
 def _alloc_or_evict(alloc, n: int, evict) -> torch.Tensor | None:

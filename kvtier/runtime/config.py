@@ -90,6 +90,14 @@ class CacheConfig:
     Attributes:
         layer_kinds: one of "full", "swa", "mamba" per model layer, in model order.
         kv_heads, head_dim, dtype: attention K/V shape per token per layer (full and SWA).
+        mla_dim: MLA latent width: "full" layers keep one ``[1, mla_dim]`` latent per token
+            (``MLADevicePool``) instead of K/V, and ``kv_heads``/``head_dim`` are unused. MLA
+            caches are the same on every TP rank: their L3 pages get rank-free keys and only
+            rank 0 writes them. None: MHA/GQA K/V.
+        indexer: keep the DSA indexer's per-token 128-byte fp8 key and 4-byte fp32 scale of every
+            full layer (``IndexerDevicePool``, stored per page). It has no slots of its own:
+            its pages are the FULL pool's pages, and move (D→H, H→D, to and from L3) and are
+            evicted with them.
         page_size: tokens per page P.
         device_tokens: FULL device token slots.
         swa_window: sliding window in tokens (needed when a layer is "swa").
@@ -116,6 +124,8 @@ class CacheConfig:
     page_size: int
     device_tokens: int
     dtype: torch.dtype = torch.bfloat16
+    mla_dim: int | None = None
+    indexer: bool = False
     swa_window: int | None = None
     swa_tokens: int | None = None
     mamba: MambaStateSpec | None = None
@@ -153,6 +163,16 @@ class CacheConfig:
             swa = self.swa_tokens or self.device_tokens
             if swa % P:
                 raise ValueError(f"swa_tokens={swa} must be a multiple of page_size={P}")
+        if self.mla_dim is not None:
+            if self.mla_dim < 1:
+                raise ValueError(f"mla_dim must be >= 1, got {self.mla_dim}")
+            # Their pages are per-rank head shards under TP, MLA pages are rank-replicated:
+            # one cache cannot key both ways.
+            other = sorted(set(kinds) - {"full"})
+            if other:
+                raise ValueError(
+                    f"mla_dim: MLA caches hold only 'full' layers, got {other[0]!r} layers"
+                )
         if "mamba" in kinds and (self.mamba is None or not self.mamba_slots):
             raise ValueError("mamba, mamba_slots: needed when a layer is 'mamba'")
         if self.write_policy not in WRITE_POLICIES:
@@ -182,6 +202,13 @@ class CacheConfig:
             )
 
     # -- derived sizes -------------------------------------------------------------------------
+
+    @property
+    def rank_replicated(self) -> bool:
+        """Every TP rank holds the same cache bytes (MLA, or ``storage.rank_replicated``)."""
+        return self.mla_dim is not None or (
+            self.storage is not None and self.storage.rank_replicated
+        )
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k == kind]

@@ -96,11 +96,18 @@ class L3Tier:
         if backend is None:
             backend = create_backend(st.backend, scope=scope, metrics=metrics, **st.backend_config)
         else:
+            if backend.scope != scope:
+                raise ValueError(
+                    f"storage_backend: its key scope {backend.scope} differs from this cache's "
+                    f"{scope} (rank-replicated caches such as MLA need replicated=True)"
+                )
             backend.metrics = metrics  # a given backend reports into this cache's counters
         self.backend = backend
         self.metrics = metrics
         P, B = cfg.page_size, st.batch_pages
         self.pools = {"kv": L3Pool("kv", cache.host_full, P, B)}
+        if cache.host_indexer is not None:
+            self.pools["indexer"] = L3Pool("indexer", cache.host_indexer, P, B)
         if cache.host_swa is not None:
             self.pools["swa"] = L3Pool("swa", cache.host_swa, P, B)
         if cache.host_mamba is not None:
@@ -170,6 +177,8 @@ class L3Tier:
                 continue  # write-back: a leaf is backed up before its parent
             hashes = self.node_hashes(x)
             took = self._add_pages(pages, "kv", hashes, x.host_value[0])
+            if "indexer" in self.pools:  # addressed by the KV host slots
+                took |= self._add_pages(pages, "indexer", hashes, x.host_value[0])
             if swa is not None and x.host_value[swa.slot] is not None:
                 took |= self._add_pages(pages, "swa", hashes, x.host_value[swa.slot])
             if mamba is not None and x.host_value[mamba.slot] is not None:

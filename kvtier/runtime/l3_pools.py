@@ -4,7 +4,10 @@ A page object of a pool is what one L3 key stores:
 
     pool    host pool       page object                          read/written through
     kv      HostPool        one page, every layer, K then V      page_views (page_first*), or
-    swa     HostPool        same, for the SWA layers             pack/unpack via staging
+                            (MLA: the latent)                    pack/unpack via staging
+    indexer HostPool        one KV page's indexer keys and       same; its host page ids are
+                            scales, every full layer             the KV pool's (slot // P)
+    swa     HostPool        same as kv, for the SWA layers       same as kv
     mamba   MambaHostPool   one state slot (flat)                slot_views
 
 Prefetches read into host slots before the tree owns them. Those slots are *reserved*: taken from
@@ -100,7 +103,7 @@ def namespace_for(cfg: CacheConfig, request_namespace: Hashable, tp_size: int) -
         page_size=cfg.page_size,
         layout=cfg.host_layout,
         namespace_key=key,
-        tp_size=None if st.rank_replicated else tp_size,
+        tp_size=None if cfg.rank_replicated else tp_size,
     )
 
 
@@ -108,9 +111,10 @@ class L3Pool:
     """One host pool as L3 page objects: page buffers to read into or write from.
 
     Args:
-        name: the pool's L3 name ("kv", "swa", "mamba").
+        name: the pool's L3 name ("kv", "indexer", "swa", "mamba").
         host: the host pool.
-        page_size: tokens per page (token-slot pools); Mamba slots are pages of their own.
+        page_size: tokens per page (token-slot pools, and the indexer, whose pages are named by
+            the KV pool's token slots); Mamba slots are pages of their own.
         batch_pages: most pages per call (staging rows for layer_first pools).
     """
 

@@ -6,8 +6,10 @@ One prefetch, :class:`Prefetch`, goes through three states; the scheduler thread
     query  the query thread asks the backend how many leading pages exist (all pools under their
            hit policies); agreed: MIN of the hit pages -> revoke, or reserve host slots and load
     load   the IO thread reads KV pages in batches into the reserved host slots, stopping at the
-           first shortfall; only when every KV page arrived does it read the extra pools (SWA:
-           the trailing window pages, all or nothing; Mamba: the state keyed by the last page)
+           first shortfall; the DSA indexer's pages (per KV page, in the KV pages' host pages)
+           follow each batch once its KV pages arrived, and a page counts only with both; only
+           when every page arrived does it read the extra pools (SWA: the trailing window
+           pages, all or nothing; Mamba: the state keyed by the last page)
     done   agreed termination (policy), then one packed MIN of [completed pages, SWA pages,
            Mamba state]; the agreed pages are grafted onto the tree as host-only nodes
 
@@ -148,6 +150,8 @@ class PrefetchWorkers:
         if op.cancel.is_set():
             return
         transfers = [PoolTransfer("kv", op.hashes, policy=ALL_PAGES)]
+        if "indexer" in self.pools:
+            transfers.append(PoolTransfer("indexer", op.hashes, policy=ALL_PAGES))
         if "swa" in self.pools:
             transfers.append(PoolTransfer("swa", op.hashes, policy=TRAILING_PAGES(self.W)))
         if "mamba" in self.pools:
@@ -165,6 +169,16 @@ class PrefetchWorkers:
                 op.checksum_misses += int(misses)
         return res
 
+    def _read_pages(self, op: Prefetch, name: str, slots: torch.Tensor, hashes: list[str]) -> int:
+        """Read one batch of ``name``'s pages into the pages of KV host ``slots``; returns the
+        leading pages that arrived (and are in place)."""
+        pool = self.pools[name]
+        pages = pool.pages_of(slots)
+        res = self._get(op, [PoolTransfer(name, hashes, pool.read_views(pages))])
+        ok = res.hit_pages(name)
+        pool.finish_read(pages, ok)
+        return ok
+
     def _load(self, op: Prefetch) -> None:
         kv = self.pools["kv"]
         P, B, n = kv.P, kv.batch_pages, op.planned_pages
@@ -172,10 +186,12 @@ class PrefetchWorkers:
             if op.cancel.is_set():
                 return
             j = min(i + B, n)
-            pages = kv.pages_of(op.kv_slots[i * P : j * P])
-            res = self._get(op, [PoolTransfer("kv", op.hashes[i:j], kv.read_views(pages))])
-            ok = res.hit_pages("kv")
-            kv.finish_read(pages, ok)
+            slots, hashes = op.kv_slots[i * P : j * P], op.hashes[i:j]
+            ok = self._read_pages(op, "kv", slots, hashes)
+            if "indexer" in self.pools and ok and not op.cancel.is_set():
+                # The indexer is per page like KV: it follows each batch once that batch's KV
+                # pages arrived, so a partial prefetch still hands over whole pages.
+                ok = self._read_pages(op, "indexer", slots[: ok * P], hashes[:ok])
             with op.lock:  # pages [0, completed) are in place before they are counted (#8901)
                 op.completed_pages = i + ok
             if ok < j - i:

@@ -1,0 +1,147 @@
+"""L3 for MLA + DSA indexer caches: a producer process writes, a fresh consumer reads back exact.
+
+Process A (spawned) runs turn 1 of some conversations through an MLA cache with the indexer
+sidecar and waits until its backups reached L3. A consumer in this process, with an empty tree
+and the same namespace, prefetches each follow-up prompt and runs it: every reused latent and
+every reused indexer page must hold what a cold run writes. MLA pages are rank-replicated: they
+are stored under rank-free keys, the indexer under its own pool suffix.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+
+from kvtier.runtime.cache import TieredKVCache
+from kvtier.runtime.config import StorageConfig
+from kvtier.storage import KeyScope, PrefetchOutcome, create_backend
+from tests.runtime.test_mla_indexer import P, mla_config, run_turn
+from tests.storage.conftest import mooncake_master, segment_holder  # noqa: F401
+
+SEED = 23
+PROMPT_TOKENS = 20
+PREFETCH_BOUND_S = 10.0
+REPLICATED = KeyScope(replicated=True)
+
+
+def make_cache(backend, layout: str = "page_first", batch_pages: int = 128) -> TieredKVCache:
+    st = StorageConfig(prefetch_min_tokens=4, prefetch_policy="wait_complete",
+                       batch_pages=batch_pages)
+    cfg = mla_config(layout=layout, device_tokens=96, host_ratio=4.0, storage=st,
+                     model_id="synthetic-mla")
+    return TieredKVCache(cfg, storage_backend=backend)
+
+
+def conversations(seed: int, n: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(n)]
+
+
+def second_turn(conv: list[int]) -> list[int]:
+    return conv + [7, 7, 7] + [1, 2]
+
+
+def prefetch_and_run(cache: TieredKVCache, prompt: list[int]):
+    """Prefetch ``prompt``, stepping until done (bounded), then run it; returns (prefetch, req)."""
+    pf = cache.prefetch(prompt)
+    assert pf is not None, "prefetch not started"
+    start = time.monotonic()
+    while not pf.done:
+        assert time.monotonic() - start < PREFETCH_BOUND_S, f"prefetch stuck: {pf}"
+        cache.l3.wait_some(0.05)
+        cache.poll()
+        cache.check_integrity()
+    return pf, run_turn(cache, prompt)
+
+
+def _backend(kind: str, where: str):
+    if kind == "file":
+        return create_backend("file", root=where, scope=REPLICATED)
+    return create_backend("mooncake", master_address=where, global_segment_size=0,
+                          scope=REPLICATED)
+
+
+def _producer(kind: str, where: str, layouts: list[str]) -> None:
+    backend = _backend(kind, where)
+    caches = []  # kept alive: a freed host pool's address may come back, already registered
+    for layout in layouts:
+        cache = make_cache(backend, layout, batch_pages=2)
+        for conv in conversations(SEED):
+            run_turn(cache, conv)
+        cache.drain()
+        cache.check_integrity()
+        m = cache.metrics()
+        assert m["tier.backup_failures"] == 0 and m["tier.bytes.storage.write"] > 0, m
+        cache.close()
+        caches.append(cache)
+    backend.close()
+
+
+def run_producer(kind: str, where: str, layouts: list[str]) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    proc = ctx.Process(target=_producer, args=(kind, where, layouts))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == 0, f"producer process exited with {proc.exitcode}"
+
+
+def consume(backend, layout: str) -> TieredKVCache:
+    """A fresh cache that prefetches and runs every follow-up prompt exactly."""
+    cache = make_cache(backend, layout, batch_pages=2)  # several KV + indexer batches per read
+    for conv in conversations(SEED):
+        pf, req = prefetch_and_run(cache, second_turn(conv))
+        assert pf.outcome is PrefetchOutcome.COMPLETE, (layout, pf)
+        assert req.device_hit == 0 and req.host_hit == PROMPT_TOKENS, (layout, req)
+    cache.drain()
+    cache.check_integrity()
+    m = cache.metrics()
+    assert m["tier.hit_tokens.storage"] == 3 * PROMPT_TOKENS, (layout, m)
+    kv_page, idx_page = (cache.l3.pools[n].page_bytes for n in ("kv", "indexer"))
+    pages = 3 * PROMPT_TOKENS // P
+    assert m["tier.bytes.storage.read"] >= pages * (kv_page + idx_page), m
+    return cache
+
+
+@pytest.fixture(params=["file", "mooncake"])
+def l3_location(request, tmp_path) -> tuple[str, str]:
+    if request.param == "file":
+        return "file", str(tmp_path / "l3")
+    return "mooncake", request.getfixturevalue("segment_holder")
+
+
+@pytest.mark.timeout(180)
+def test_mla_indexer_producer_consumer(l3_location):
+    kind, where = l3_location
+    run_producer(kind, where, ["page_first"])
+    if kind == "file":
+        pools = sorted({".".join(n.split(".")[1:-1]) for n in os.listdir(where)})
+        assert pools == ["indexer", "kv"], f"MLA pages must have rank-free keys: {pools}"
+    backend = _backend(kind, where)
+    try:
+        consume(backend, "page_first").close()
+    finally:
+        backend.close()
+
+
+def test_missing_indexer_pages_are_a_miss(tmp_path):
+    """KV pages without their indexer pages are no hit: the indexer moves with KV or not at all."""
+    run_producer("file", str(tmp_path), ["page_first"])
+    for name in os.listdir(tmp_path):
+        if name.split(".")[1] == "indexer":
+            os.remove(tmp_path / name)
+    backend = _backend("file", str(tmp_path))
+    cache = make_cache(backend)
+    pf, req = prefetch_and_run(cache, second_turn(conversations(SEED)[0]))
+    assert pf.outcome is PrefetchOutcome.REVOKED and pf.reason == "below_threshold", pf
+    assert req.cached_len == 0
+    cache.check_integrity()
+    cache.close()
+
+
+def test_given_backend_needs_the_cache_key_scope(tmp_path):
+    with pytest.raises(ValueError, match="storage_backend: its key scope"):
+        make_cache(create_backend("file", root=tmp_path))
