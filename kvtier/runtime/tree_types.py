@@ -176,13 +176,16 @@ class HostPinHandle:
 class Backup:
     """A device→host backup whose books are committed; the copies are still to be done.
 
-    The nodes stay device-locked through ``lock`` until ``finish_backup`` so that the copy's
-    source cannot be evicted mid-transfer.
+    The nodes stay device-locked until ``finish_backup`` so that no source slot of the copy can
+    be evicted mid-transfer: ``lock`` pins FULL on the whole path plus the last node's SWA window
+    and Mamba state; ``chain_locks`` pin the SWA window and Mamba state of every other node
+    whose data the copy reads.
     """
 
     nodes: tuple[TreeNode, ...]
     transfers: tuple[Transfer, ...]
     lock: LockHandle
+    chain_locks: tuple[LockHandle, ...] = ()
 
 
 @dataclass(frozen=True)
