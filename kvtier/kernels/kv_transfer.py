@@ -224,9 +224,10 @@ def _validate(
             f"{dev_name} has {dev_idx.numel()} entries but {host_name} has {host_idx.numel()}"
         )
     if impl == "triton":
-        for name, t in (("host", host.tensor), ("dev", dev.base)):
-            if t.device.type == "cpu" and not t.is_pinned():
-                raise ValueError(f"{name}: host tensor must be pinned memory on the GPU path")
+        if host.tensor.device.type == "cpu" and not host.tensor.is_pinned():
+            raise ValueError("host: host tensor must be pinned memory on the GPU path")
+        if dev.base.device.type == "cpu" and not all(t.is_pinned() for b in dev.layers for t in b):
+            raise ValueError("dev: host tensors reached from the GPU must be pinned memory")
     if host.tensor.device.type != "cpu" and host.tensor.device != dev.device:
         raise ValueError(f"host: tensor on {host.tensor.device}, kernels run on {dev.device}")
     if check if check is not None else debug_checks():
@@ -266,13 +267,15 @@ def _launch(
     num_tiles = dev.num_buffers * n_sel * n_tiles_r
     grid = (min(knobs.num_programs, num_tiles),)
 
-    def as_words(t: torch.Tensor) -> torch.Tensor:
-        return t.view(-1).view(torch.uint8).view(word)
+    def as_words(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        # Bytes first, then whole words: a view of the caller's memory, never a copy.
+        raw = t.view(-1).view(torch.uint8)[offset:]
+        return raw[: raw.numel() // elem * elem].view(word)
 
     _kv_copy_kernel[grid](
         as_words(dev.base),
         dev.table,
-        as_words(host.tensor)[host.offset // elem :],
+        as_words(host.tensor, host.offset),
         dev_idx,
         host_idx,
         n_rows,

@@ -46,15 +46,15 @@ def ref_copy_kv(
         dev_idx = expand_page_ids(dev_idx, P)
         host_idx = expand_page_ids(host_idx, P)
     keep = (dev_idx >= 0) & (host_idx >= 0)
-    d = dev_idx[keep]
-    h = host_idx[keep].to("cpu")
     hview = host_byte_view(host)
+    h = host_idx[keep].to(hview.device)
     hp, ht = h // P, h % P
     layers = range(dev.num_layers) if layer is None else (layer,)
     for b in range(dev.num_buffers):
         for l in layers:
             dview = dev.layers[b][l].view(dev.num_slots, -1).view(torch.uint8)
+            d = dev_idx[keep].to(dview.device)
             if d2h:
-                hview[b, hp, ht, l] = dview[d].to("cpu")
+                hview[b, hp, ht, l] = dview[d].to(hview.device)
             else:
                 dview[d] = hview[b, hp, ht, l].to(dview.device)

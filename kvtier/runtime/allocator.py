@@ -58,7 +58,7 @@ class PageAllocator:
 
     def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool tensor: whether each slot's page is currently handed out."""
-        pages = slots.detach().cpu().numpy() // self.page_size
+        pages = self._check_pages(slots.detach().cpu().numpy() // self.page_size, "slots")
         return torch.from_numpy(self._in_use[pages].copy())
 
     # -- alloc / free ------------------------------------------------------------------------
@@ -126,7 +126,7 @@ class PageAllocator:
         s = slots.detach().to("cpu", torch.int64).reshape(-1)
         P = self.page_size
         if P == 1:
-            return s
+            return torch.from_numpy(self._check_pages(s.numpy(), "slots"))
         if s.numel() % P:
             raise ValueError(
                 f"{self.name}: {s.numel()} slots is not a whole number of pages of {P}"
@@ -137,7 +137,16 @@ class PageAllocator:
             runs - first[:, None], self._page_offsets.expand_as(runs)
         ):
             raise ValueError(f"{self.name}: slots are not page-aligned runs of {P} tokens")
-        return first // P
+        return torch.from_numpy(self._check_pages((first // P).numpy(), "slots"))
+
+    def _check_pages(self, pages: np.ndarray, arg: str) -> np.ndarray:
+        """Page ids in range, before any array is indexed with them (negative ids would wrap)."""
+        if pages.size and (pages.min() < 0 or pages.max() >= self.num_pages):
+            bad = int(pages[(pages < 0) | (pages >= self.num_pages)][0])
+            raise ValueError(
+                f"{self.name}: {arg} reach page {bad}, outside [0, {self.num_pages})"
+            )
+        return pages
 
     def clear(self) -> None:
         """Return every page (used when a pool is reset)."""
@@ -212,7 +221,7 @@ class SWAPageAllocator:
         """Full slots → SWA slots (``-1`` where a slot has no SWA data), same shape."""
         s = full_slots.detach().cpu().numpy().astype(np.int64, copy=False)
         P = self.page_size
-        swa_pages = self._page_map[s // P]
+        swa_pages = self._page_map[self.full._check_pages(s // P, "full_slots")]
         out = np.where(swa_pages >= 0, swa_pages * P + s % P, -1)
         return torch.from_numpy(out)
 

@@ -62,3 +62,21 @@ def test_slot_allocator_and_bad_config():
         PageAllocator(512, 512)
     with pytest.raises(ValueError, match="positive multiple"):
         PageAllocator(20, 16)
+
+
+def test_negative_or_large_slots_never_touch_the_books():
+    """Negative page ids would wrap in numpy indexing: they are refused before any update."""
+    from kvtier.runtime.allocator import SWAPageAllocator
+
+    a = SWAPageAllocator(64, 64, 16)
+    x = a.alloc(64)
+    with pytest.raises(ValueError, match="page -1, outside"):
+        a.free(torch.arange(-16, 0))
+    with pytest.raises(ValueError, match="page 4, outside"):
+        a.free_swa(torch.arange(64, 80))
+    with pytest.raises(ValueError, match="full_slots reach page -1"):
+        a.translate(torch.tensor([-1]))
+    assert a.num_mapped_pages() == 4 and a.swa.used_size() == 64
+    assert bool((a.translate(x) >= 0).all())
+    with pytest.raises(ValueError, match="outside"):
+        a.full.is_allocated(torch.tensor([-1]))
