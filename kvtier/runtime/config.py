@@ -157,12 +157,19 @@ class CacheConfig:
             raise ValueError(f"page_size must be in [1, 256], got {P}")
         if self.device_tokens <= 0 or self.device_tokens % P:
             raise ValueError(f"device_tokens={self.device_tokens} must be a positive multiple of {P}")
+        if self.mla_dim is None:
+            for name in ("kv_heads", "head_dim"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.dtype.is_floating_point or self.dtype.itemsize == 1):
+            raise ValueError(f"dtype: KV must be a float or 8-bit type, got {self.dtype}")
+        if self.swa_tokens is not None and (self.swa_tokens <= 0 or self.swa_tokens % P):
+            raise ValueError(f"swa_tokens={self.swa_tokens} must be a positive multiple of {P}")
+        if self.mamba_slots is not None and self.mamba_slots < 1:
+            raise ValueError(f"mamba_slots must be >= 1, got {self.mamba_slots}")
         if "swa" in kinds:
             if not self.swa_window or self.swa_window <= 0:
                 raise ValueError("swa_window: needed (positive) when a layer is 'swa'")
-            swa = self.swa_tokens or self.device_tokens
-            if swa % P:
-                raise ValueError(f"swa_tokens={swa} must be a multiple of page_size={P}")
         if self.mla_dim is not None:
             if self.mla_dim < 1:
                 raise ValueError(f"mla_dim must be >= 1, got {self.mla_dim}")
@@ -195,6 +202,13 @@ class CacheConfig:
             )
         if self.load_back_min_tokens < 0:
             raise ValueError("load_back_min_tokens must be >= 0")
+        if self.load_back_max_tokens is not None and (
+            self.load_back_max_tokens < max(self.load_back_min_tokens, 1)
+        ):
+            raise ValueError(
+                f"load_back_max_tokens={self.load_back_max_tokens} is below load_back_min_tokens="
+                f"{self.load_back_min_tokens}: every load-back would be refused"
+            )
         if self.storage is not None and not self.model_id:
             raise ValueError(
                 "model_id: needed with storage (L3 keys must name the checkpoint, or two models "

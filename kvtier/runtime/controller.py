@@ -74,6 +74,7 @@ class _Op:
     issued_step: int = 0
     start: torch.cuda.Event | None = None
     nbytes: int = 0
+    layer_events: list[torch.cuda.Event | None] = field(default_factory=list)
 
 
 class CacheController:
@@ -113,7 +114,6 @@ class CacheController:
         self._backups: deque[_Op] = deque()
         self._loads: deque[_Op] = deque()
         self._queued: list[LoadBack] = []
-        self._layer_events: list[torch.cuda.Event] | None = None
         self._step = 0
         #: called with ``(books, event)`` once a backup's D→H copy is acknowledged (``event``:
         #: its completion event on CUDA, already complete; None on CPU).
@@ -196,7 +196,6 @@ class CacheController:
     def start_loading(self) -> bool:
         """Start every queued load, layer by layer, on the load stream. False if none queued."""
         if not self._queued:
-            self._layer_events = None
             return False
         loads, self._queued = self._queued, []
         merged: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -230,22 +229,29 @@ class CacheController:
                 if ev is not None:
                     ev.record()
                 events.append(ev)
-        self._layer_events = events if self.cuda else None
         keep = [t for pair in idx.values() for t in pair]
         self.stats.loads += len(loads)
         self.stats.h2d_bytes += nbytes
         if not self.cuda:
             self.stats.h2d_seconds += time.perf_counter() - t0
         self._loads.append(_Op("load", loads, events[-1] if events else None, keep, self._step,
-                               start, nbytes))
+                               start, nbytes, events))
         return True
 
     def wait_layer(self, layer: int) -> None:
-        """Make the current stream wait until layer ``layer`` of the started loads is on device."""
-        if self._layer_events is not None:
-            ev = self._layer_events[layer]
+        """Make the current stream wait until layer ``layer`` of every load not yet acknowledged
+        is on device.
+
+        Not only this batch's: a load-back marks its nodes on-device when it is queued, so a
+        later request can hit them while an earlier batch's copy is still in flight.
+        """
+        if not self.cuda:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        for op in self._loads:
+            ev = op.layer_events[layer]
             if ev is not None:
-                torch.cuda.current_stream(self.device).wait_event(ev)
+                stream.wait_event(ev)
 
     # -- acknowledgements ------------------------------------------------------------------
 
