@@ -289,3 +289,27 @@ def test_indexer_pages(layout, device):
     )
     with pytest.raises(ValueError, match="not page-aligned"):
         kv_slots_to_pages(kv_slots + 1, P)
+
+
+@pytest.mark.parametrize("offset", [1, 3, 6])
+def test_strided_buffer_at_odd_byte_offsets(offset, device):
+    """A raw-byte buffer may start anywhere in its tensor; kernel and reference agree."""
+    from kvtier.kernels import DeviceBuffers, HostBuffer, copy_device_to_host, copy_host_to_device
+
+    gen = torch.Generator().manual_seed(offset)
+    src = torch.randint(-(2**15), 2**15, (8, 3), dtype=torch.int16, generator=gen).to(device)
+    dev = DeviceBuffers.from_layers([[src]])
+    raw = torch.full((offset + 8 * 6 + 5,), 0xA5, dtype=torch.uint8)  # size: no word multiple
+    if device.type == "cuda":
+        raw = raw.pin_memory()
+    host = HostBuffer.strided(raw, num_buffers=1, num_layers=1, num_slots=8, page_size=1,
+                              item_bytes=6, stride_buffer=0, stride_page=6, stride_token=0,
+                              stride_layer=0, offset=offset)
+    idx = torch.arange(8, device=device)
+    copy_device_to_host(dev, host, idx, idx.flip(0))
+    want = src.flip(0).cpu().contiguous().view(torch.uint8).reshape(-1)
+    assert torch.equal(raw[offset : offset + 48], want)
+    assert bool((raw[:offset] == 0xA5).all()) and bool((raw[offset + 48 :] == 0xA5).all())
+    back = DeviceBuffers.from_layers([[torch.zeros_like(src)]])
+    copy_host_to_device(host, back, idx.flip(0), idx)
+    assert torch.equal(back.layers[0][0], src)
