@@ -43,7 +43,7 @@ from kvtier.runtime.controller import CacheController, PoolBinding
 from kvtier.runtime.device_pool import MHADevicePool, MLADevicePool
 from kvtier.runtime.host_pool import HostPool
 from kvtier.runtime.indexer_pool import IndexerDevicePool
-from kvtier.runtime.l3 import L3Tier, Prefetch, swap_host_allocators
+from kvtier.runtime.l3 import L3Tier, Prefetch
 from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool
 from kvtier.runtime.tree_config import TreeConfig, build_tree
 from kvtier.runtime.tree_node import TreeNode
@@ -190,7 +190,6 @@ class TieredKVCache:
         self._host_seen = (0, 0.0, 0, 0.0)
         self.l3: L3Tier | None = None
         if cfg.storage is not None:
-            swap_host_allocators(self)
             self.l3 = L3Tier(self, self.tier_metrics, storage_backend)
         elif storage_backend is not None:
             raise ValueError("storage_backend needs config.storage")
@@ -473,10 +472,9 @@ class TieredKVCache:
 
     def check_integrity(self) -> None:
         """Recount the tree and every pool against the slots running requests hold (and the
-        host slots in-flight prefetches reserved)."""
-        self.tree.check_integrity(self.request_owned())
-        if self.l3 is not None:
-            self.l3.check()
+        host slots in-flight prefetches hold)."""
+        held = self.l3.held_by_ops() if self.l3 is not None else None
+        self.tree.check_integrity(self.request_owned(), held)
 
     def metrics(self) -> dict[str, float]:
         """Monotonic counters as a flat dict: the cache's own, the copies', and per tier

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.runtime.l3_backup import BackupJob, BackupWriter
-from kvtier.runtime.l3_pools import L3Pool, namespace_for, reserving
-from kvtier.runtime.l3_prefetch import Prefetch, PrefetchWorkers, attach_swa, graft
+from kvtier.runtime.l3_pools import L3Pool, namespace_for
+from kvtier.runtime.l3_prefetch import Prefetch, PrefetchWorkers, attach_swa
 from kvtier.runtime.tree_node import TreeNode, page_align
 from kvtier.runtime.tree_types import Backup
 from kvtier.storage import (
@@ -56,13 +56,6 @@ log = logging.getLogger(__name__)
 QUERY_SLOTS = 4
 VOTE_SLOTS = 4
 _STORED_MEMORY = 1 << 20  # (pool, hash) pairs remembered as already in L3
-
-
-def swap_host_allocators(cache: TieredKVCache) -> None:
-    """Give the tree's host pools reserving allocators (before anything is allocated)."""
-    for comp in cache.tree.components:
-        if comp.host_alloc is not None:
-            comp.host_alloc = reserving(comp.host_alloc)
 
 
 class L3Tier:
@@ -260,7 +253,7 @@ class L3Tier:
             self._querying.remove(op)
         else:
             self._loading.remove(op)
-            op.leftovers = self._reserved_of(op)
+            op.leftovers = self._held_of(op)
             self._draining.append(op)
         self._end(op, PrefetchOutcome.ABORTED)
 
@@ -370,13 +363,13 @@ class L3Tier:
             hits = min(hits, kv.available_size() // P)
             if hits < self.threshold_pages:
                 return self._revoke(op, "host_capacity")
-        op.kv_slots = kv.reserve(hits * P)
+        op.kv_slots = kv.alloc(hits * P)
         op.planned_pages = hits
         if tree.swa is not None:
             op.swa_pages = min(self.W, hits)
-            op.swa_slots = _reserve(tree, tree.swa, op.swa_pages * P)
+            op.swa_slots = _alloc_host(tree, tree.swa, op.swa_pages * P)
         if tree.mamba is not None:
-            op.mamba_slot = _reserve(tree, tree.mamba, 1)
+            op.mamba_slot = _alloc_host(tree, tree.mamba, 1)
         if (tree.swa is not None and op.swa_slots is None) or (
             tree.mamba is not None and op.mamba_slot is None
         ):
@@ -405,20 +398,22 @@ class L3Tier:
         """Agreed termination: graft the agreed pages; the rest is released once IO stops."""
         op.cancel.set()
         self._loading.remove(op)
-        tree = self.tree
-        end, present, taken = graft(tree, op, pages) if pages else (None, 0, op.kv_slots[:0])
-        kv = tree.full.host_alloc
-        P = self.cfg.page_size
-        kv.unreserve(op.kv_slots[: present if end is not None else pages * P])
-        kv.adopt(taken)
+        tree, P = self.tree, self.cfg.page_size
+        end, present = None, 0
+        if pages:
+            n = pages * P
+            end, present = tree.graft_host(op.anchor, op.tokens[:n], {"kv": op.kv_slots[:n]},
+                                           op.hashes[:pages], op.namespace)
+        # The agreed pages are read: free what the tree did not take now, the rest once IO stops.
+        _free(tree.full.host_alloc, op.kv_slots[: present if end is not None else pages * P])
+        taken = pages * P - present if end is not None else 0
         leftovers = {"kv": op.kv_slots[pages * P :]}
         whole = end is not None and pages == op.planned_pages
         swa_ok = whole and swa == op.swa_pages and op.swa_pages > 0
         if op.swa_slots is not None:
             used = attach_swa(tree, op, end) if swa_ok else torch.zeros(0, dtype=torch.bool)
             if used.numel():
-                tree.swa.host_alloc.adopt(op.swa_slots[used])
-                self._unreserve_pages(tree.swa.host_alloc, op.swa_slots[~used])
+                _free(tree.swa.host_alloc, op.swa_slots[~used])
             else:
                 leftovers["swa"] = op.swa_slots
         if op.mamba_slot is not None:
@@ -426,12 +421,11 @@ class L3Tier:
             if (whole and mamba >= 1 and end.host_value[ms] is None
                     and end.host_value[0] is not None):
                 tree.set_host(end, ms, op.mamba_slot.clone())
-                tree.mamba.host_alloc.adopt(op.mamba_slot)
             else:
                 leftovers["mamba"] = op.mamba_slot
         op.leftovers = leftovers
         self._draining.append(op)
-        op.loaded_tokens = taken.numel()
+        op.loaded_tokens = taken
         self.metrics.add_hit_tokens(Tier.STORAGE, op.loaded_tokens)
         extras_ok = (op.swa_slots is None or swa_ok) and (
             op.mamba_slot is None or "mamba" not in leftovers)
@@ -445,9 +439,9 @@ class L3Tier:
             outcome = PrefetchOutcome.PARTIAL
         self._end(op, outcome)
 
-    # -- releasing reserved slots ----------------------------------------------------------------
+    # -- releasing held slots ---------------------------------------------------------------------
 
-    def _reserved_of(self, op: Prefetch) -> dict[str, torch.Tensor]:
+    def _held_of(self, op: Prefetch) -> dict[str, torch.Tensor]:
         out = {}
         for name, slots in (("kv", op.kv_slots), ("swa", op.swa_slots), ("mamba", op.mamba_slot)):
             if slots is not None:
@@ -455,43 +449,26 @@ class L3Tier:
         return out
 
     def _release_now(self, op: Prefetch) -> None:
-        op.leftovers = self._reserved_of(op)
+        op.leftovers = self._held_of(op)
         self._release(op)
 
     def _release(self, op: Prefetch) -> None:
-        """Return a finished prefetch's unused reserved slots (its IO thread is done)."""
+        """Free a finished prefetch's unused host slots (its IO thread is done)."""
         allocs = {c.name: c.host_alloc for c in self.tree.components}
         for name, slots in op.leftovers.items():
-            if slots.numel():
-                self._unreserve_pages(allocs[name], slots)
+            _free(allocs[name], slots)
         op.leftovers = {}
-
-    @staticmethod
-    def _unreserve_pages(alloc, slots: torch.Tensor) -> None:
-        if slots.numel():
-            alloc.unreserve(slots)
 
     # -- books ------------------------------------------------------------------------------------
 
-    def reserved_by_ops(self) -> dict[str, int]:
-        """Reserved host slots per pool, recounted from the prefetches that hold them."""
+    def held_by_ops(self) -> dict[str, int]:
+        """Host slots per pool that prefetches hold outside the tree (for its integrity check)."""
         out = Counter()
         for op in list(self._loading) + list(self._draining):
-            held = self._reserved_of(op) if op in self._loading else op.leftovers
+            held = self._held_of(op) if op in self._loading else op.leftovers
             for name, slots in held.items():
                 out[name] += slots.numel()
         return dict(out)
-
-    def check(self) -> None:
-        """The host slots reserved in each allocator are exactly those prefetches hold."""
-        held = self.reserved_by_ops()
-        for comp in self.tree.components:
-            alloc = comp.host_alloc
-            if alloc is not None and alloc.reserved != held.get(comp.name, 0):
-                raise AssertionError(
-                    f"{comp.name} host: allocator has {alloc.reserved} reserved slots, "
-                    f"prefetches hold {held.get(comp.name, 0)}"
-                )
 
     def close(self, timeout: float = 5.0) -> None:
         self.writer.close(timeout)
@@ -509,8 +486,13 @@ def _ready(q: deque, is_ready) -> int:
     return n
 
 
-def _reserve(tree, comp, n: int) -> torch.Tensor | None:
+def _alloc_host(tree, comp, n: int) -> torch.Tensor | None:
     alloc = comp.host_alloc
     if alloc.available_size() < n:
         tree.evict_host(**{comp.kind: n - alloc.available_size()})
-    return alloc.reserve(n) if alloc.available_size() >= n else None
+    return alloc.alloc(n) if alloc.available_size() >= n else None
+
+
+def _free(alloc, slots: torch.Tensor) -> None:
+    if slots.numel():
+        alloc.free(slots)

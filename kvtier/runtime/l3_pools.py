@@ -1,4 +1,4 @@
-"""How the L3 tier sees the host pools: page objects, key namespaces and reserved host slots.
+"""How the L3 tier sees the host pools: page objects and key namespaces.
 
 A page object of a pool is what one L3 key stores:
 
@@ -9,11 +9,6 @@ A page object of a pool is what one L3 key stores:
                             scales, every full layer             the KV pool's (slot // P)
     swa     HostPool        same as kv, for the SWA layers       same as kv
     mamba   MambaHostPool   one state slot (flat)                slot_views
-
-Prefetches read into host slots before the tree owns them. Those slots are *reserved*: taken from
-the tree's host allocator but not yet tree-owned, so the tree's integrity check, which compares an
-allocator's use with what the tree owns, is told about them through ``used_size`` (reserved slots
-are left out) and the L3 tier recounts them itself.
 """
 
 from __future__ import annotations
@@ -23,66 +18,12 @@ from collections.abc import Hashable
 
 import torch
 
-from kvtier.runtime.allocator import PageAllocator, SlotAllocator
 from kvtier.runtime.config import CacheConfig
 from kvtier.runtime.host_pool import HostPool
 from kvtier.runtime.mamba_pool import MambaHostPool
 from kvtier.storage import Namespace
 
-__all__ = ["L3Pool", "ReservingPageAllocator", "ReservingSlotAllocator", "namespace_for"]
-
-
-class _Reserving:
-    """Slots handed to in-flight L3 reads: allocated, but not (yet) owned by the tree."""
-
-    reserved: int
-
-    def reserve(self, n: int) -> torch.Tensor | None:
-        slots = self.alloc(n)  # type: ignore[attr-defined]
-        if slots is not None:
-            self.reserved += slots.numel()
-        return slots
-
-    def unreserve(self, slots: torch.Tensor) -> None:
-        """Give reserved slots back to the pool."""
-        if slots.numel() > self.reserved:
-            raise ValueError(f"unreserve of {slots.numel()} slots, only {self.reserved} reserved")
-        self.free(slots)  # type: ignore[attr-defined]
-        self.reserved -= slots.numel()
-
-    def adopt(self, slots: torch.Tensor) -> None:
-        """Reserved slots now belong to the tree (they stay allocated)."""
-        if slots.numel() > self.reserved:
-            raise ValueError(f"adopt of {slots.numel()} slots, only {self.reserved} reserved")
-        self.reserved -= slots.numel()
-
-    def used_size(self) -> int:
-        """Slots in use by the tree (reserved slots are the L3 tier's)."""
-        return super().used_size() - self.reserved  # type: ignore[misc]
-
-    def allocated_size(self) -> int:
-        return super().used_size()  # type: ignore[misc]
-
-
-class ReservingPageAllocator(_Reserving, PageAllocator):
-    def __init__(self, size: int, page_size: int, name: str = "pool") -> None:
-        super().__init__(size, page_size, name)
-        self.reserved = 0
-
-
-class ReservingSlotAllocator(_Reserving, SlotAllocator):
-    def __init__(self, size: int, name: str = "slots") -> None:
-        super().__init__(size, name)
-        self.reserved = 0
-
-
-def reserving(alloc: PageAllocator) -> PageAllocator:
-    """A fresh reserving allocator of ``alloc``'s size (swap it in before any allocation)."""
-    if alloc.used_size():
-        raise ValueError(f"{alloc.name}: swap the allocator before it hands out slots")
-    if isinstance(alloc, SlotAllocator):
-        return ReservingSlotAllocator(alloc.size, alloc.name)
-    return ReservingPageAllocator(alloc.size, alloc.page_size, alloc.name)
+__all__ = ["L3Pool", "namespace_for"]
 
 
 def namespace_for(cfg: CacheConfig, request_namespace: Hashable, tp_size: int) -> Namespace:

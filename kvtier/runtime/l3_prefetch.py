@@ -4,8 +4,8 @@ One prefetch, :class:`Prefetch`, goes through three states; the scheduler thread
 ``L3Tier.poll`` only on values every TP rank agreed on, so all trees change identically:
 
     query  the query thread asks the backend how many leading pages exist (all pools under their
-           hit policies); agreed: MIN of the hit pages -> revoke, or reserve host slots and load
-    load   the IO thread reads KV pages in batches into the reserved host slots, stopping at the
+           hit policies); agreed: MIN of the hit pages -> revoke, or allocate host slots and load
+    load   the IO thread reads KV pages in batches into the prefetch's host slots, stopping at the
            first shortfall; the DSA indexer's pages (per KV page, in the KV pages' host pages)
            follow each batch once its KV pages arrived, and a page counts only with both; only
            when every page arrived does it read the extra pools (SWA: the trailing window
@@ -13,9 +13,11 @@ One prefetch, :class:`Prefetch`, goes through three states; the scheduler thread
     done   agreed termination (policy), then one packed MIN of [completed pages, SWA pages,
            Mamba state]; the agreed pages are grafted onto the tree as host-only nodes
 
-Host slots a prefetch reserved but did not graft are released only once the IO thread is done
-with them (agreed across ranks), so a read still in flight after a timeout or an abort never
-writes into slots someone else owns (#31668).
+A prefetch allocates its host slots from the tree's host pools and holds them outside the tree
+(the tree's integrity check is told how many: ``L3Tier.held_by_ops``) until the graft hands the
+used ones to the tree. Slots it did not graft are freed only once the IO thread is done with
+them (agreed across ranks), so a read still in flight after a timeout or an abort never writes
+into slots someone else owns (#31668).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ import torch
 
 from kvtier.runtime.l3_pools import L3Pool
 from kvtier.runtime.tree import UnifiedRadixTree
-from kvtier.runtime.tree_node import TreeNode, match_len
+from kvtier.runtime.tree_node import TreeNode
 from kvtier.runtime.tree_types import HostPinHandle
 from kvtier.storage import ALL_PAGES, TRAILING_PAGES, PoolTransfer, PrefetchOutcome, StorageBackend
 
-__all__ = ["Prefetch", "PrefetchWorkers", "graft"]
+__all__ = ["Prefetch", "PrefetchWorkers", "attach_swa"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class Prefetch:
     # query thread
     query_done: threading.Event = field(default_factory=threading.Event, repr=False)
     query_hits: int = 0
-    # reserved host slots (scheduler thread)
+    # host slots held outside the tree until the graft (scheduler thread)
     kv_slots: torch.Tensor | None = field(default=None, repr=False)
     swa_pages: int = 0
     swa_slots: torch.Tensor | None = field(default=None, repr=False)
@@ -215,46 +217,6 @@ class PrefetchWorkers:
         with op.lock:
             op.swa_hit = op.swa_pages if swa_ok else 0
             op.mamba_hit = int("mamba" in res.ok and all(res.ok["mamba"]))
-
-
-def graft(
-    tree: UnifiedRadixTree, op: Prefetch, pages: int
-) -> tuple[TreeNode | None, int, torch.Tensor]:
-    """Hang the first ``pages`` prefetched pages under ``op.anchor`` as host-only nodes.
-
-    Walks down from the anchor along existing children (splitting a partly matching one) and
-    skips the pages they already hold; the rest becomes one host-only node. Under backup
-    continuity, nothing is hung below a node without host data (#30106): the walk stops there.
-
-    Returns ``(end node or None if stopped, tokens already present, KV slots the tree took)``.
-    """
-    P = tree.page_size
-    total = pages * P
-    key = op.tokens[:total]
-    node, pos = op.anchor, 0
-    while pos < total:
-        at_root = node.parent is None
-        first = key[pos] if P == 1 else tuple(key[pos : pos + P])
-        child = node.children.get((op.namespace, first) if at_root else first)
-        if child is None:
-            break
-        n = match_len(child.key, key, pos, P)
-        if n < len(child.key):
-            child = tree.split(child, n)
-        if tree.backup_continuity and child.host_value[0] is None:
-            return None, pos, op.kv_slots[:0]
-        node, pos = child, pos + n
-    if pos == total:
-        return node, pos, op.kv_slots[:0]
-    leaf = TreeNode(key[pos:total], node, len(tree.components), op.namespace)
-    node.children[tree._child_key(leaf, leaf.key)] = leaf
-    taken = op.kv_slots[pos:total]
-    tree.set_host(leaf, 0, taken.clone())
-    leaf.page_hashes = op.hashes[pos // P : pages]
-    tree._update_leaf(leaf)
-    tree._update_leaf(node)
-    tree._touch(leaf)
-    return leaf, pos, taken
 
 
 def attach_swa(tree: UnifiedRadixTree, op: Prefetch, end: TreeNode) -> torch.Tensor:

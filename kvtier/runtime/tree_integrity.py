@@ -38,15 +38,20 @@ class IntegrityMixin:
         return nodes
 
     def check_integrity(
-        self: UnifiedRadixTree, request_owned: Mapping[str, int] | None = None
+        self: UnifiedRadixTree,
+        request_owned: Mapping[str, int] | None = None,
+        host_owned: Mapping[str, int] | None = None,
     ) -> None:
         """Raise ``TreeIntegrityError`` naming the first broken invariant, with the numbers.
 
         Args:
-            request_owned: slots held by running requests per pool name (``"kv"``, ``"swa"``,
-                ``"mamba"``); missing pools count 0.
+            request_owned: device slots held by running requests per pool name (``"kv"``,
+                ``"swa"``, ``"mamba"``); missing pools count 0.
+            host_owned: host slots allocated from the tree's host pools but held outside the
+                tree (e.g. by an in-flight L3 prefetch) per pool name; missing pools count 0.
         """
         request_owned = request_owned or {}
+        host_owned = host_owned or {}
         root = self.root
         if root.value[0] is None or root.lock[0] < 1 or root.key:
             _fail(f"root broken: value={root.value[0]}, lock={root.lock[0]}, key={root.key}")
@@ -55,9 +60,9 @@ class IntegrityMixin:
         n_comp = len(self.components)
         evictable, protected = [0] * n_comp, [0] * n_comp
         device_owned = [[] for _ in range(n_comp)]
-        host_owned = [[] for _ in range(n_comp)]
+        host_owned_slots = [[] for _ in range(n_comp)]
         for node in nodes[1:]:
-            self._check_node(node, evictable, protected, device_owned, host_owned)
+            self._check_node(node, evictable, protected, device_owned, host_owned_slots)
         if self.swa is not None:
             self._check_swa_translation(nodes[1:])
         for slot, comp in enumerate(self.components):
@@ -79,7 +84,7 @@ class IntegrityMixin:
                     _fail(
                         f"{comp.name}: {len(stray)} unreachable nodes in the {name} LRU, e.g. {stray[0]}"
                     )
-        self._check_pools(device_owned, host_owned, request_owned)
+        self._check_pools(device_owned, host_owned_slots, request_owned, host_owned)
 
     def _check_node(
         self: UnifiedRadixTree,
@@ -163,6 +168,7 @@ class IntegrityMixin:
         device_owned: list[list[torch.Tensor]],
         host_owned: list[list[torch.Tensor]],
         request_owned: Mapping[str, int],
+        held_outside: Mapping[str, int],
     ) -> None:
         kv = self.full.device_alloc
         for comp in self.components:
@@ -189,10 +195,12 @@ class IntegrityMixin:
                         _fail(f"swa: {kv.num_mapped_pages()} mapped pages but {used} slots in use")
                 else:
                     used = alloc.used_size()
-                requests = request_owned.get(comp.name, 0) if tier == "device" else 0
-                if used != slots.numel() + requests:
+                owners = request_owned if tier == "device" else held_outside
+                others = owners.get(comp.name, 0)
+                if used != slots.numel() + others:
+                    who = "requests" if tier == "device" else "holders outside the tree"
                     _fail(
                         f"{comp.name} {tier}: allocator has {used} slots in use, tree owns "
-                        f"{slots.numel()}, requests own {requests} (leak or double free of "
-                        f"{used - slots.numel() - requests})"
+                        f"{slots.numel()}, {who} own {others} (leak or double free of "
+                        f"{used - slots.numel() - others})"
                     )

@@ -14,15 +14,16 @@ pressure must not evict unrelated FULL leaves; a SWA shortfall evicts SWA only.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.runtime.tree_node import TreeNode, child_key, match_len
 from kvtier.runtime.tree_types import Backup, LoadBack, Transfer, TreeIntegrityError
 
 if TYPE_CHECKING:
     from kvtier.runtime.tree import UnifiedRadixTree
-    from kvtier.runtime.tree_node import TreeNode
 
 __all__ = ["HostTierMixin"]
 
@@ -191,6 +192,76 @@ class HostTierMixin:
         for x in swa_for:
             kv.free_swa(x.value[0])
         return None
+
+    def graft_host(
+        self: UnifiedRadixTree,
+        anchor: TreeNode,
+        tokens: Sequence[int],
+        host_slots_per_pool: Mapping[str, torch.Tensor],
+        page_hashes: Sequence[str] | None,
+        namespace: Hashable,
+    ) -> tuple[TreeNode | None, int]:
+        """Hang ``tokens``, which continue ``anchor``'s path, below it as host-only data (pages
+        read from L3 into host slots the caller allocated).
+
+        Walks down from ``anchor`` along existing children (splitting a partly matching one) and
+        skips the tokens they already hold; the rest becomes one host-only node. Under backup
+        continuity nothing is hung below a node without host data (#30106): the walk stops there.
+
+        Args:
+            anchor: an attached node (or the root) whose path ``tokens`` continue.
+            tokens: page-aligned token ids.
+            host_slots_per_pool: host slots holding ``tokens``, one per token, per pool name:
+                ``"kv"`` (FULL) always, and any other per-token component (``"swa"``).
+            page_hashes: the L3 page hashes of ``tokens``' pages (the new node keeps its part),
+                or None.
+            namespace: the request namespace (matters where ``anchor`` is the root).
+
+        Returns:
+            ``(end, present)``: the node ending at the last token (None if the walk stopped) and
+            how many leading tokens the tree already held. When ``end`` is a new node, the tree
+            now owns ``slots[present:]`` of every pool given; every other slot stays the caller's.
+        """
+        P = self.page_size
+        key = list(tokens)
+        total = len(key)
+        if total % P:
+            raise ValueError(f"tokens: {total} tokens is not a whole number of pages of {P}")
+        comps = {c.name: c for c in self.components}
+        if "kv" not in host_slots_per_pool:
+            raise ValueError("host_slots_per_pool: the FULL pool 'kv' is required")
+        for name, slots in host_slots_per_pool.items():
+            comp = comps.get(name)
+            if comp is None or comp is self.mamba or comp.host_alloc is None:
+                raise ValueError(f"host_slots_per_pool: {name!r} is not a per-token host pool")
+            if slots.numel() != total:
+                raise ValueError(f"host_slots_per_pool[{name!r}]: {slots.numel()} slots for "
+                                 f"{total} tokens")
+        if page_hashes is not None and len(page_hashes) != total // P:
+            raise ValueError(f"page_hashes: {len(page_hashes)} hashes for {total // P} pages")
+        node, pos = anchor, 0
+        while pos < total:
+            child = node.children.get(child_key(key, pos, P, namespace, node.parent is None))
+            if child is None:
+                break
+            n = match_len(child.key, key, pos, P)
+            if n < len(child.key):
+                child = self.split(child, n)
+            if self.backup_continuity and child.host_value[0] is None:
+                return None, pos
+            node, pos = child, pos + n
+        if pos == total:
+            return node, pos
+        leaf = TreeNode(key[pos:], node, len(self.components), namespace)
+        node.children[self._child_key(leaf, leaf.key)] = leaf
+        for name, slots in host_slots_per_pool.items():
+            self.set_host(leaf, comps[name].slot, slots[pos:].clone())
+        if page_hashes is not None:
+            leaf.page_hashes = list(page_hashes[pos // P :])
+        self._update_leaf(leaf)
+        self._update_leaf(node)
+        self._touch(leaf)
+        return leaf, pos
 
     def finish_load_back(self: UnifiedRadixTree, load: LoadBack) -> None:
         """The H→D copies of ``load`` are done: drop its device lock and host pin."""

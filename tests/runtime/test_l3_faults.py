@@ -113,12 +113,12 @@ def test_hung_read_times_out_then_releases(stored):
     assert backend.entered.is_set()
     assert pf.outcome is PrefetchOutcome.TIMED_OUT and pf.loaded_tokens == 0, pf
     assert req.cached_len == 0
-    held = cache.l3.reserved_by_ops()
-    assert held.get("kv") == PAGES * P, "the hung read's slots stay reserved until it returns"
+    held = cache.l3.held_by_ops()
+    assert held.get("kv") == PAGES * P, "the hung read's slots stay held until it returns"
     backend.release.set()
     cache.drain()
     cache.check_integrity()
-    assert cache.l3.reserved_by_ops() == {}
+    assert cache.l3.held_by_ops() == {}
     cache.close()
 
 
@@ -138,7 +138,7 @@ def test_abort_during_prefetch_releases_once(stored):
     backend.release.set()
     cache.drain()
     cache.check_integrity()
-    assert cache.l3.reserved_by_ops() == {} and cache.l3.inflight_tokens == 0
+    assert cache.l3.held_by_ops() == {} and cache.l3.inflight_tokens == 0
     run_turn(cache, second_turn(conv))
     assert cache.metrics()["tier.prefetch.aborted"] == 1
     cache.close()
