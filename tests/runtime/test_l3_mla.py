@@ -116,13 +116,16 @@ def l3_location(request, tmp_path) -> tuple[str, str]:
 @pytest.mark.timeout(180)
 def test_mla_indexer_producer_consumer(l3_location):
     kind, where = l3_location
-    run_producer(kind, where, ["page_first"])
+    # On the file store, every host layout: layer_first packs the indexer through staging too.
+    layouts = ["page_first", "layer_first", "page_first_direct"] if kind == "file" else ["page_first"]
+    run_producer(kind, where, layouts)
     if kind == "file":
         pools = sorted({".".join(n.split(".")[1:-1]) for n in os.listdir(where)})
         assert pools == ["indexer", "kv"], f"MLA pages must have rank-free keys: {pools}"
     backend = _backend(kind, where)
     try:
-        consume(backend, "page_first").close()
+        for layout in layouts:
+            consume(backend, layout).close()
     finally:
         backend.close()
 
