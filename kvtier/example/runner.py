@@ -25,6 +25,14 @@ class CachedRunner:
     def __init__(self, model: HybridModel, cache: TieredKVCache) -> None:
         self.model = model
         self.cache = cache
+        mc, cc = model.config, cache.config
+        if tuple(mc.layer_kinds) != tuple(cc.layer_kinds):
+            raise ValueError(
+                f"cache: layer kinds {cc.layer_kinds} differ from the model's {mc.layer_kinds} "
+                "(wait_layer would map layers to the wrong pools)"
+            )
+        if "swa" in mc.layer_kinds and mc.swa_window != cc.swa_window:
+            raise ValueError(f"cache: swa_window {cc.swa_window} != the model's {mc.swa_window}")
         self.pools = ModelPools(cache.full_pool, cache.swa_pool, cache.mamba_pool)
         self.pools.check(model.config)
         self.last_request: Request | None = None
@@ -46,9 +54,24 @@ class CachedRunner:
         """Greedy decode ``max_new_tokens`` after ``prompt``, reusing whatever the cache holds."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        cache, P = self.cache, self.cache.config.page_size
+        cache = self.cache
         prompt = list(prompt)
+        if not prompt:
+            raise ValueError("prompt: needs at least one token")
         req = cache.match(prompt, namespace)
+        try:
+            out, rows = self._run(req, prompt, max_new_tokens)
+        except BaseException:
+            cache.abort(req)  # nothing it holds may outlive a failed request
+            raise
+        req.token_ids = prompt + out[:-1]
+        cache.cache_finished_req(req)
+        cache.poll()
+        self.last_request = req
+        return Generation(out, torch.stack(rows))
+
+    def _run(self, req: Request, prompt: list[int], max_new_tokens: int):
+        cache, P = self.cache, self.cache.config.page_size
         cache.reserve(req, len(prompt) + max_new_tokens)
         cache.start_loading()
         pos = req.cached_len
@@ -66,8 +89,4 @@ class CachedRunner:
             cache.computed(req, pos)
             rows.append(step[-1])
             out.append(int(torch.argmax(rows[-1])))
-        req.token_ids = prompt + out[:-1]
-        cache.cache_finished_req(req)
-        cache.poll()
-        self.last_request = req
-        return Generation(out, torch.stack(rows))
+        return out, rows

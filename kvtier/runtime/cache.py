@@ -237,7 +237,12 @@ class TieredKVCache:
         elif m.best_match_node is not node:
             self.counters.load_backs_skipped += 1
         if self.mamba_pool is not None:
-            self._give_mamba_state(req, node)
+            try:
+                self._give_mamba_state(req, node)
+            except RuntimeError:
+                if req.lock is not None:  # the request never started: release its pin
+                    tree.unlock(req.lock)
+                raise
         req.computed_len = req.cached_len
         self.counters.requests += 1
         self.counters.prompt_tokens += len(tokens)
@@ -312,12 +317,31 @@ class TieredKVCache:
         P = self.config.page_size
         need = -(-total_tokens // P) * P - req.kv_slots.numel()
         if need > 0:
-            swa = need if self.swa_pool is not None else 0
-            slots = _alloc_or_evict(self.kv_alloc, need, lambda: self._evict_for(need, swa))
+            slots = self.kv_alloc.alloc(need)
+            if slots is None:
+                self._make_room(need)
+                slots = self.kv_alloc.alloc(need)
             if slots is None:
                 raise RuntimeError(f"device KV pool exhausted: {need} tokens needed")
             req.kv_slots = torch.cat([req.kv_slots, slots])
         return req.kv_slots
+
+    def _make_room(self, need: int) -> None:
+        """Evict just the shortfall for ``need`` new slots; raise, evicting nothing, if even
+        every evictable token would not be enough."""
+        a = self.kv_alloc
+        if self.swa_pool is not None:
+            full_short = need - a.full_available_size()
+            swa_short = max(0, need - a.swa_available_size())
+        else:
+            full_short, swa_short = need - a.available_size(), 0
+        evictable = self.tree.evictable[0]
+        if full_short > evictable:
+            raise RuntimeError(
+                f"device KV pool exhausted: {need} tokens needed, {need - full_short} free, "
+                f"{evictable} evictable"
+            )
+        self._evict_for(max(0, full_short), swa_short)
 
     def swa_slots(self, req: Request) -> torch.Tensor | None:
         """SWA pool slots of the request's positions (-1 where none), or None without SWA."""
@@ -370,6 +394,16 @@ class TieredKVCache:
                 self.tree.mamba.device_alloc.free(live)
         self.requests.pop(id(req), None)
         self._after_insert(req)
+
+    def abort(self, req: Request) -> None:
+        """Release everything a request holds without caching it (an aborted or failed request):
+        its own slots, Mamba slots, and the pin on its cached prefix."""
+        if req.mamba_ckpt is not None:
+            self.tree.mamba.device_alloc.free(req.mamba_ckpt)
+            req.mamba_ckpt = None
+        req._pending_cow.clear()
+        self.tree.cache_finished_req(req, is_insert=False)
+        self.requests.pop(id(req), None)
 
     def cache_unfinished_req(self, req: Request) -> None:
         """Checkpoint a running request's full pages into the tree (chunked prefill, decode)."""

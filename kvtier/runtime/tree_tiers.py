@@ -82,10 +82,16 @@ class HostTierMixin:
                 pairs[c.name][0].append(dev)
                 pairs[c.name][1].append(host)
             self._update_leaf(x)
-        return Backup(tuple(chain), _transfers(pairs, "d2h"), self.lock(node))
+        # A lock on `node` pins FULL down the path but SWA and Mamba only near `node`: the
+        # ancestors backed up with it need their own, or their aux slots could be freed and
+        # reused while the copy still reads them.
+        chain_locks = tuple(self.lock(x) for x in chain[:-1]) if self.aux else ()
+        return Backup(tuple(chain), _transfers(pairs, "d2h"), self.lock(node), chain_locks)
 
     def finish_backup(self: UnifiedRadixTree, backup: Backup) -> None:
-        """The D→H copies of ``backup`` are done: drop its device lock."""
+        """The D→H copies of ``backup`` are done: drop its device locks."""
+        for handle in backup.chain_locks:
+            self.unlock(handle)
         self.unlock(backup.lock)
 
     def load_back(self: UnifiedRadixTree, anchor: TreeNode) -> LoadBack | None:

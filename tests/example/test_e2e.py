@@ -89,3 +89,23 @@ def test_demo_runs_and_is_exact():
     assert res.identical
     assert res.metrics["host_hit_tokens"] > 0 or res.metrics["device_hit_tokens"] > 0
     assert any("outputs equal a cold run with no cache: yes" in s for s in lines)
+
+
+def test_runner_refuses_a_cache_with_other_layer_order(device):
+    model, cache, _ = setup(MODELS["full+swa+mamba"], "write_through", device)
+    other = HybridModel(HybridModelConfig(layer_kinds=("full", "mamba", "swa"), hidden=32, q_heads=2,
+                                          kv_heads=1, head_dim=8, swa_window=6, mamba_heads=1,
+                                          mamba_head_dim=8, mamba_state=4, ffn=32), device=device)
+    with pytest.raises(ValueError, match="cache: layer kinds"):
+        CachedRunner(other, cache)
+
+
+def test_a_failed_generation_releases_its_request(device):
+    model, cache, runner = setup(MODELS["full+mamba"], "write_through", device)
+    runner.generate(list(range(30)), 2)
+    with pytest.raises(RuntimeError, match="device KV pool exhausted"):
+        runner.generate(list(range(30)) + [1] * 200, 2)
+    assert not cache.requests
+    cache.check_integrity()
+    got = runner.generate(list(range(30)) + [5, 6], 2)
+    assert same(got, model.generate_cold(list(range(30)) + [5, 6], 2))

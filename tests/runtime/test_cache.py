@@ -180,3 +180,32 @@ def test_bad_configs():
         CacheConfig(layer_kinds=("full", "swa"), **base)
     with pytest.raises(ValueError, match="layer_kinds: unknown kind 'moe'"):
         CacheConfig(layer_kinds=("full", "moe"), **base)
+
+
+def test_failed_reserve_evicts_nothing_and_abort_releases_everything():
+    cache = make_cache(MODELS["full+mamba"], "write_through")
+    first = run_turn(cache, list(range(20)))
+    del first
+    req = cache.match(list(range(20)) + [99])
+    assert req.device_hit > 0 and req.lock is not None
+    free_before = cache.kv_alloc.available_size()
+    with pytest.raises(RuntimeError, match="device KV pool exhausted"):
+        cache.reserve(req, 10_000)
+    assert cache.kv_alloc.available_size() == free_before, "a hopeless reserve evicted the cache"
+    assert cache.counters.evicted_tokens == 0
+    cache.abort(req)
+    assert not cache.requests, "the aborted request is still registered"
+    assert all(n.lock == [0] * len(n.lock) for n in cache.tree.all_nodes()[1:]), "a pin leaked"
+    cache.check_integrity()
+    # reserve evicts only the shortfall
+    for i in range(4):
+        run_turn(cache, [100 + i] * 12)
+    cache.drain()
+    req = cache.match([7] * 9)
+    short = 40 - cache.kv_alloc.available_size()
+    before = cache.counters.evicted_tokens
+    cache.reserve(req, 40)
+    evicted = cache.counters.evicted_tokens - before
+    assert short > 0 and short <= evicted < short + 12, (short, evicted)  # whole nodes at most
+    cache.abort(req)
+    cache.check_integrity()
