@@ -1,0 +1,161 @@
+"""MLA + DSA indexer under two TP ranks (gloo) through a file L3.
+
+MLA latents are the same on every rank (rank-replicated): only rank 0 writes, under rank-free
+keys, and both ranks read the same objects back. Two fresh consumer ranks then prefetch every
+follow-up prompt; after every step their trees must be identical, and each must reuse exactly
+the bytes the other reuses (and a cold run writes), with the same counted L3 bytes and hits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvtier.runtime.cache import TieredKVCache
+from kvtier.runtime.config import StorageConfig
+from kvtier.storage import PrefetchOutcome
+from tests.runtime.test_mla_indexer import LAYERS, P, check_cached, forward, mla_config
+from tests.runtime.test_tp import fingerprint
+
+SEED = 41
+PROMPT_TOKENS = 20
+N_CONVS = 3
+
+
+def make_cache(root: str, group) -> TieredKVCache:
+    st = StorageConfig(backend="file", backend_config={"root": root}, prefetch_min_tokens=4,
+                       prefetch_policy="wait_complete", batch_pages=2)
+    cfg = mla_config(device_tokens=96, host_ratio=4.0, storage=st, model_id="synthetic-mla-tp")
+    return TieredKVCache(cfg, tp_group=group)
+
+
+def conversations() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(SEED)
+    return [torch.randint(0, 50, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(N_CONVS)]
+
+
+def reused_digest(cache: TieredKVCache, req) -> str:
+    """SHA-256 of every reused latent row and indexer page, in position order."""
+    h = hashlib.sha256()
+    n = req.cached_len
+    slots = req.kv_slots[:n]
+    for layer in range(len(LAYERS)):
+        cache.wait_layer(layer, [req])
+        h.update(cache.full_pool.latent(layer)[slots].contiguous().view(torch.uint8).numpy())
+        pages = slots.view(-1, P)[:, 0] // P if n else slots
+        h.update(cache.indexer_pool.buffer[layer, pages].contiguous().numpy())
+    return f"{n}:{h.hexdigest()}"
+
+
+def run_turn(cache: TieredKVCache, tokens: list[int]):
+    """One turn; returns (request, digest of the reused bytes)."""
+    req = cache.match(tokens)
+    cache.reserve(req, len(tokens) + 3)
+    cache.start_loading()
+    digest = reused_digest(cache, req)
+    check_cached(cache, req)
+    req.token_ids = list(tokens) + [7, 7, 7]
+    forward(cache, req, len(tokens) + 3)
+    cache.cache_finished_req(req)
+    cache.poll()
+    cache.check_integrity()
+    return req, digest
+
+
+def gather(obj) -> list:
+    out = [None, None]
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rank(rank: int, init: str, root: str, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    group = dist.group.WORLD
+    convs = conversations()
+    result: dict = {"same": []}
+
+    producer = make_cache(root, group)
+    assert producer.l3.backend.scope.replicated
+    for conv in convs:
+        run_turn(producer, conv)
+    producer.drain()
+    producer.check_integrity()
+    m = producer.metrics()
+    result["written"] = gather((m["tier.bytes.storage.write"], m["tier.backup_failures"]))
+    producer.close()
+    dist.barrier()
+    result["files"] = sorted(os.listdir(root))
+
+    cache = make_cache(root, group)
+    for conv in convs:
+        prompt = conv + [7, 7, 7] + [1, 2]
+        pf = cache.prefetch(prompt)
+        assert pf is not None, "prefetch not admitted"
+        steps = 0
+        while True:
+            done = gather(pf.done)
+            if all(done):
+                break
+            steps += 1
+            assert steps < 400, f"prefetch stuck on rank {rank}: {pf}"
+            cache.l3.wait_some(0.05)
+            cache.poll()
+            cache.check_integrity()
+            result["same"].append(len(set(map(repr, gather(fingerprint(cache))))) == 1)
+        req, digest = run_turn(cache, prompt)
+        result.setdefault("prefetch", []).append(
+            gather((pf.outcome.name, pf.loaded_tokens, req.device_hit, req.host_hit, digest)))
+        result["same"].append(len(set(map(repr, gather(fingerprint(cache))))) == 1)
+    cache.drain()
+    cache.check_integrity()
+    m = cache.metrics()
+    keys = ("tier.bytes.storage.read", "tier.hit_tokens.storage", "tier.prefetch.complete",
+            "tier.checksum_miss_pages")
+    result["read"] = gather(tuple(m[k] for k in keys))
+    result["page_bytes"] = sum(cache.l3.pools[n].page_bytes for n in ("kv", "indexer"))
+    cache.close()
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_mla_two_ranks_rank0_writes_both_read_identically():
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'store')}"
+        out = os.path.join(d, "out.pt")
+        root = os.path.join(d, "l3")
+        mp.start_processes(_rank, args=(init, root, out), nprocs=2, start_method="spawn")
+        r = torch.load(out)
+
+    # Only rank 0 wrote, under rank-free keys, and nothing failed.
+    (w0, f0), (w1, f1) = r["written"]
+    assert w0 > 0 and w1 == 0 and f0 == f1 == 0, r["written"]
+    pools = sorted({name.split(".", 1)[1] for name in r["files"]})
+    assert pools == ["indexer.kvp", "kv.kvp"], f"MLA objects must be rank-free: {pools}"
+    pages = N_CONVS * PROMPT_TOKENS // P
+    assert len(r["files"]) == 2 * pages, len(r["files"])
+
+    # Trees identical after every step, the same outcome and the same reused bytes on both.
+    assert r["same"] and all(r["same"]), [i for i, s in enumerate(r["same"]) if not s]
+    for per_rank in r["prefetch"]:
+        assert per_rank[0] == per_rank[1], per_rank
+        outcome, loaded, device_hit, host_hit, digest = per_rank[0]
+        assert outcome == PrefetchOutcome.COMPLETE.name and loaded == PROMPT_TOKENS, per_rank
+        assert device_hit == 0 and host_hit == PROMPT_TOKENS, per_rank
+        assert digest.startswith(f"{PROMPT_TOKENS}:"), digest
+    assert len({p[0][4] for p in r["prefetch"]}) == N_CONVS, "each conversation reuses its own bytes"
+
+    read0, read1 = r["read"]
+    assert read0 == read1, r["read"]
+    nbytes, hit_tokens, complete, misses = read0
+    assert nbytes == pages * r["page_bytes"] and hit_tokens == N_CONVS * PROMPT_TOKENS, read0
+    assert complete == N_CONVS and misses == 0, read0
