@@ -86,6 +86,36 @@ def raw_write_read(directory: Path, pool: torch.Tensor, total: int) -> tuple[flo
     return w, r
 
 
+def files_write_read(directory: Path, pool: torch.Tensor, page_bytes: int, total: int
+                     ) -> tuple[float, float]:
+    """Seconds to write, then read back, ``total`` bytes as one file per page with the backend's
+    syscalls (open, writev, close, rename; open, readv, close) and nothing else: no header, no
+    checksum, no index. The floor under any one-file-per-page store on this disk."""
+    n = total // page_bytes
+    src = memoryview(pool[:total].numpy())
+    dst = memoryview(pool[total : 2 * total].numpy())
+    d = os.open(tempfile.mkdtemp(dir=directory), os.O_RDONLY | os.O_DIRECTORY)
+    os.sync()
+    start = time.perf_counter()
+    for i in range(n):
+        fd = os.open(f"{i}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=d)
+        os.writev(fd, [src[i * page_bytes : (i + 1) * page_bytes]])
+        os.close(fd)
+        os.replace(f"{i}.tmp", str(i), src_dir_fd=d, dst_dir_fd=d)
+    w = time.perf_counter() - start
+    os.sync()
+    start = time.perf_counter()
+    for i in range(n):
+        fd = os.open(str(i), os.O_RDONLY, dir_fd=d)
+        os.readv(fd, [dst[i * page_bytes : (i + 1) * page_bytes]])
+        os.close(fd)
+    r = time.perf_counter() - start
+    for i in range(n):
+        os.unlink(str(i), dir_fd=d)
+    os.close(d)
+    return w, r
+
+
 def backend_put_get(
     backend: StorageBackend, pool: torch.Tensor, page_bytes: int, total: int, tag: int
 ) -> tuple[float, float]:
@@ -116,18 +146,21 @@ def file_rows(work: Path, pool: torch.Tensor, total: int, repeats: int) -> list[
     rows = []
     backend = create_backend("file", root=work / "l3")
     for page_bytes in (LLAMA_PAGE, SMALL_PAGE):
-        t: dict[str, list[float]] = {"rw": [], "rr": [], "fw": [], "fr": []}
+        t: dict[str, list[float]] = {"rw": [], "rr": [], "fw": [], "fr": [], "pw": [], "pr": []}
         for rep in range(repeats):
             rw, rr = raw_write_read(work, pool, total)
             fw, fr = backend_put_get(backend, pool, page_bytes, total, rep)
-            for k, v in zip(t, (rw, rr, fw, fr)):
+            pw, pr = files_write_read(work, pool, page_bytes, total)
+            for k, v in zip(t, (rw, rr, fw, fr, pw, pr)):
                 t[k].append(v)
         raw_w, raw_r = _median_gbps(total, t["rw"]), _median_gbps(total, t["rr"])
         rows += [
             Row(where, "raw write", page_bytes, raw_w, None),
             Row(where, "file put", page_bytes, _median_gbps(total, t["fw"]), raw_w),
+            Row(where, "bare per-page files write", page_bytes, _median_gbps(total, t["pw"]), raw_w),
             Row(where, "raw read", page_bytes, raw_r, None),
             Row(where, "file get", page_bytes, _median_gbps(total, t["fr"]), raw_r),
+            Row(where, "bare per-page files read", page_bytes, _median_gbps(total, t["pr"]), raw_r),
         ]
     return rows
 
@@ -145,7 +178,7 @@ def create_cost_us(directory: Path, files: int = 1000) -> float:
 
 
 def profile_pages(directory: Path, pages: int, page_bytes: int) -> tuple[str, str]:
-    """Per-page cost of ``pages`` small pages through the file backend: a summary and cProfile."""
+    """Per-page cost of ``pages`` pages through the file backend: a summary and cProfile."""
     backend = create_backend("file", root=directory / "profile")
     pool = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8)
     bufs = list(pool.unbind(0))
@@ -177,9 +210,11 @@ def profile_pages(directory: Path, pages: int, page_bytes: int) -> tuple[str, st
     stats.sort_stats("tottime").print_stats(14)
     text = out.getvalue()
     summary = (
+        f"{pages} pages of {page_bytes >> 10} KiB. "
         f"Without the profiler: set {set_us:.1f} µs/page, get {get_us:.1f} µs/page. "
         f"Under cProfile (which inflates it), kvtier.storage's own Python code takes {py_us:.1f} µs "
-        "per page operation; the rest is syscalls and hashing. Top entries by own time:"
+        "per page operation; the rest is syscalls and hashing. cProfile sees only the calling "
+        "thread: with read_threads=2 half the reads run in the pool thread. Top entries by own time:"
     )
     return summary, text[text.find("   ncalls") :].rstrip()
 
@@ -262,12 +297,13 @@ def plot(rows: list[Row], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     labels = [f"{r.what} {r.page_bytes >> 10} KiB ({r.where})" for r in rows]
-    colors = ["0.6" if r.what.startswith("raw") else "C0" if r.what.startswith("file")
-              else "C1" for r in rows]
+    colors = ["0.6" if r.what.startswith("raw") else "0.85" if r.what.startswith("bare")
+              else "C0" if r.what.startswith("file") else "C1" for r in rows]
     ax.bar(range(len(rows)), [r.gbps for r in rows], color=colors)
     ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("GB/s")
-    ax.set_title("L3 storage: file backend vs raw sequential file IO (grey), Mooncake loopback")
+    ax.set_title("L3 storage: file backend (blue), raw sequential file IO (grey), bare per-page "
+                 "files (light grey), Mooncake loopback (orange)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -278,10 +314,12 @@ def main() -> None:
                    help="directories on the disks to measure (default: the system temp dir)")
     p.add_argument("--total-mib", type=int, default=512, help="bytes per measurement")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--profile-pages", type=int, default=10_000)
+    p.add_argument("--profile-pages", type=int, default=10_000,
+                   help="pages of 4 KiB and of 64 KiB to profile (2 MiB: 1/40 of it)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args()
     total = args.total_mib << 20
+    load0 = os.getloadavg()[0]
     pool = torch.randint(0, 256, (2 * total,), dtype=torch.uint8)
     rows: list[Row] = []
     disks, creates = [], []
@@ -294,7 +332,9 @@ def main() -> None:
             rows += file_rows(work, pool, total, args.repeats)
             creates.append(f"{env['disk'].split(' on ')[1].split()[1]} {create_cost_us(work):.0f} µs")
             if i == 0:
-                summary, prof = profile_pages(work, args.profile_pages, 4096)
+                profiles = [profile_pages(work, args.profile_pages, 4096),
+                            profile_pages(work, args.profile_pages, SMALL_PAGE),
+                            profile_pages(work, max(1, args.profile_pages // 40), LLAMA_PAGE)]
         finally:
             shutil.rmtree(work, ignore_errors=True)
     env["disk"] = "; ".join(disks)
@@ -324,8 +364,10 @@ def main() -> None:
         "runs: compare rows of one run only.",
     ]
     lines += ["", f"Creating one empty file (same run, after os.sync): {', '.join(creates)}.",
-              "", (f"## Per-page cost, file backend on {args.dir[0]}, {args.profile_pages} pages "
-              "of 4 KiB"), "", summary, "", "```", prof, "```", ""]
+              "", f"Load average (1 min) before / after the run: {load0:.2f} / {os.getloadavg()[0]:.2f}.",
+              "", f"## Per-page cost, file backend on {args.dir[0]}", ""]
+    for summary, prof in profiles:
+        lines += [summary, "", "```", prof, "```", ""]
     (args.out / "bench_storage.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

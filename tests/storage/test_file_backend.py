@@ -99,10 +99,10 @@ def test_rename_is_the_commit_point(root: Path, monkeypatch: pytest.MonkeyPatch)
     seen: list[list[str]] = []
     real_replace = os.replace
 
-    def spying_replace(src: str, dst: str) -> None:
+    def spying_replace(src: str, dst: str, **dir_fds) -> None:
         seen.append(files(root))
-        assert Path(src).stat().st_size == HEADER_SIZE + PAGE
-        real_replace(src, dst)
+        assert (root / src).stat().st_size == HEADER_SIZE + PAGE  # names relative to the root
+        real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(os, "replace", spying_replace)
     b.set([PoolTransfer("kv", h, pages(1, 3))])
@@ -171,3 +171,32 @@ def test_sees_files_other_processes_write_later(root: Path) -> None:
     assert rank1.get([PoolTransfer("kv", h, out)]).all_ok
     assert all(torch.equal(a, b) for a, b in zip(out, src))
     assert rank1.used_bytes == 2 * (HEADER_SIZE + PAGE)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_batches_split_over_threads_keep_page_order(root: Path, threads: int) -> None:
+    """Per-page results stay in page order however the batch is split; a missing page in the
+    middle, a corrupted one and a key repeated within one batch are each reported in place."""
+    b = create_backend("file", root=root, read_threads=threads, write_threads=threads)
+    h = page_hashes(range(4 * 9), NS)
+    src = pages(9, 10)
+    keys = h[:4] + [h[2]] + h[4:8]  # page 4 repeats page 2's key
+    res = b.set([PoolTransfer("kv", keys, src[:4] + [src[2]] + src[4:8])])
+    assert res.ok["kv"] == [True] * 9 and len(files(root)) == 8
+    (root / f"{h[5]}.kv.r0.kvp").unlink()
+    bad = root / f"{h[6]}.kv.r0.kvp"
+    data = bytearray(bad.read_bytes())
+    data[-1] ^= 0x01
+    bad.write_bytes(bytes(data))
+    out = empty(8)
+    got = b.get([PoolTransfer("kv", h[:8], out)]).ok["kv"]
+    assert got == [True, True, True, True, True, False, False, True], got
+    assert all(torch.equal(out[i], src[i]) for i in (0, 1, 2, 3, 4, 7))
+    assert b.metrics.snapshot()["checksum_miss_pages"] == 1
+    b.close()
+
+
+def test_thread_counts_validate(root: Path) -> None:
+    for name in ("read_threads", "write_threads"):
+        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+            create_backend("file", root=root, **{name: 0})
