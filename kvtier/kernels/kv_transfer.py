@@ -16,6 +16,7 @@ Indices are int64 tensors on the device pool's device: token slots (in page-alig
 
 from __future__ import annotations
 
+import threading
 from typing import Literal
 
 import torch
@@ -30,6 +31,10 @@ from kvtier.nvtx import fmt_bytes, nvtx_range
 __all__ = ["DEFAULT_KNOBS", "TransferKnobs", "copy_device_to_host", "copy_host_to_device"]
 
 IndexUnit = Literal["token", "page"]
+
+# Triton's interpreter keeps the running grid in process-wide state, so two threads (the L3
+# backup thread packing pages while the scheduler thread loads) must not run kernels at once.
+_INTERPRETER_LOCK = threading.Lock()
 
 _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -334,7 +339,8 @@ def _transfer(
         if path == "torch":
             ref_copy_kv(dev, host, dev_idx, host_idx, d2h=d2h, layer=layer, index_unit=unit)
         elif path == "interpreter" or dev.device.type != "cuda":
-            _launch(dev, host, dev_idx, host_idx, layer, unit, d2h, knobs or DEFAULT_KNOBS)
+            with _INTERPRETER_LOCK:
+                _launch(dev, host, dev_idx, host_idx, layer, unit, d2h, knobs or DEFAULT_KNOBS)
         else:
             with torch.cuda.device(dev.device):
                 _launch(dev, host, dev_idx, host_idx, layer, unit, d2h, knobs or DEFAULT_KNOBS)

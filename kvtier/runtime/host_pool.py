@@ -11,6 +11,8 @@ to whole pages.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvtier.kernels.dispatch import Impl
@@ -212,10 +214,13 @@ class HostPool:
     ) -> torch.Tensor:
         """Pack host ``pages`` (layer_first) into rows of ``staging``; returns the used rows.
 
-        ``pages`` are host page ids on the device pool's device. One kernel launch.
+        ``pages`` are host page ids (on any device). One kernel launch; synchronous: the rows
+        are complete on return, so storage can read them at once (from any thread).
         """
         flat = self.flat_buffer(staging, arg="staging")
-        pack_pages(self._as_slot_buffers(), flat, pages, knobs=self.knobs, check=check, impl=impl)
+        with self._host_copy_stream():
+            pack_pages(self._as_slot_buffers(), flat, self._on_kernel_device(pages),
+                       knobs=self.knobs, check=check, impl=impl)
         return staging[: pages.numel()]
 
     def unpack(
@@ -226,9 +231,32 @@ class HostPool:
         check: bool | None = None,
         impl: Impl = "auto",
     ) -> None:
-        """Inverse of :meth:`pack`: row ``i`` of ``staging`` into host page ``pages[i]``."""
+        """Inverse of :meth:`pack`: row ``i`` of ``staging`` into host page ``pages[i]``.
+
+        Synchronous, like :meth:`pack`: the host pages hold the data on return.
+        """
         flat = self.flat_buffer(staging, arg="staging")
-        unpack_pages(flat, self._as_slot_buffers(), pages, knobs=self.knobs, check=check, impl=impl)
+        with self._host_copy_stream():
+            unpack_pages(flat, self._as_slot_buffers(), self._on_kernel_device(pages),
+                         knobs=self.knobs, check=check, impl=impl)
+
+    def _on_kernel_device(self, pages: torch.Tensor) -> torch.Tensor:
+        return pages.to(self.device_pool.device, non_blocking=False)
+
+    @contextlib.contextmanager
+    def _host_copy_stream(self):
+        """Host-to-host packing on the GPU runs on this pool's own stream and is waited for:
+        it may be called from a storage thread, and its caller reads the bytes right after."""
+        device = self.device_pool.device
+        if device.type != "cuda":
+            yield
+            return
+        stream = getattr(self, "_pack_stream", None)
+        if stream is None:
+            stream = self._pack_stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
 
     def device_to_flat(
         self,

@@ -313,3 +313,24 @@ def test_strided_buffer_at_odd_byte_offsets(offset, device):
     back = DeviceBuffers.from_layers([[torch.zeros_like(src)]])
     copy_host_to_device(host, back, idx.flip(0), idx)
     assert torch.equal(back.layers[0][0], src)
+
+
+def test_pack_takes_page_ids_anywhere_and_is_complete_on_return(device):
+    """Storage threads hand CPU page ids and read the staging rows right after pack returns."""
+    gen = torch.Generator().manual_seed(9)
+    pool = make_kv("mha", 4, device, gen)
+    host = HostPool(pool, "layer_first", size=16)
+    fill_random(host.tensor, gen)
+    staging = host.new_staging(3)
+    poison(staging)
+    rows = host.pack(torch.tensor([3, 0, 2]), staging)  # CPU ids, even with a CUDA pool
+    want = torch.cat([torch.cat([host.tensor[b, l, p * 4 : p * 4 + 4].reshape(-1).view(torch.uint8)
+                                 for b in range(2) for l in range(3)]).unsqueeze(0) for p in (3, 0, 2)])
+    assert torch.equal(rows, want)
+    host2 = HostPool(pool, "layer_first", size=16)
+    poison(host2.tensor)
+    host2.unpack(torch.tensor([1, 2, 3]), rows)
+    for i, p in enumerate((3, 0, 2)):
+        q = (1, 2, 3)[i]
+        got = host2.tensor[:, :, q * 4 : q * 4 + 4].contiguous().view(torch.uint8)
+        assert torch.equal(got, host.tensor[:, :, p * 4 : p * 4 + 4].contiguous().view(torch.uint8))
