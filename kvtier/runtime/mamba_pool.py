@@ -166,22 +166,6 @@ def slot_buffers(
     return out
 
 
-def _copy_slots(pool, bufs, dev_slots, flat_slots, d2h, layer, knobs, check, impl) -> str:
-    if pool.device.type == "cuda" and flat_slots.device != pool.device:
-        raise ValueError(f"slots: on {flat_slots.device}, the device pool is on {pool.device}")
-    path = "torch"
-    for comp, buf in zip(pool.components, bufs, strict=True):
-        if d2h:
-            path = copy_device_to_host(
-                comp, buf, dev_slots, flat_slots, layer=layer, knobs=knobs, check=check, impl=impl
-            )
-        else:
-            path = copy_host_to_device(
-                buf, comp, flat_slots, dev_slots, layer=layer, knobs=knobs, check=check, impl=impl
-            )
-    return path
-
-
 class MambaHostPool:
     """Host Mamba states: ``[size, slot_bytes]`` raw bytes, one flat page per slot.
 
@@ -226,76 +210,42 @@ class MambaHostPool:
             out.append(self.tensor[s])
         return out
 
-    def backup(
-        self,
-        device_slots: torch.Tensor,
-        host_slots: torch.Tensor,
-        *,
-        layer: int | None = None,
-        check: bool | None = None,
-        impl: Impl = "auto",
-    ) -> str:
+    def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor, *,
+               layer: int | None = None, check: bool | None = None, impl: Impl = "auto") -> str:
         """Device → host of whole slot states (one launch per state component)."""
-        return _copy_slots(
-            self.device_pool,
-            self.buffers,
-            device_slots,
-            host_slots,
-            True,
-            layer,
-            self.knobs,
-            check,
-            impl,
-        )
+        return self._copy(self.buffers, device_slots, host_slots, True, layer, check, impl)
 
-    def load(
-        self,
-        host_slots: torch.Tensor,
-        device_slots: torch.Tensor,
-        *,
-        layer: int | None = None,
-        check: bool | None = None,
-        impl: Impl = "auto",
-    ) -> str:
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, *,
+             layer: int | None = None, check: bool | None = None, impl: Impl = "auto") -> str:
         """Host → device of slot states (all layers, or one layer for layer-wise load-back)."""
-        return _copy_slots(
-            self.device_pool,
-            self.buffers,
-            device_slots,
-            host_slots,
-            False,
-            layer,
-            self.knobs,
-            check,
-            impl,
-        )
+        return self._copy(self.buffers, device_slots, host_slots, False, layer, check, impl)
 
-    def device_to_flat(
-        self,
-        device_slots: torch.Tensor,
-        flat: torch.Tensor,
-        *,
-        check: bool | None = None,
-        impl: Impl = "auto",
-    ) -> str:
+    def device_to_flat(self, device_slots: torch.Tensor, flat: torch.Tensor, *,
+                       check: bool | None = None, impl: Impl = "auto") -> str:
         """Fused D→flat: slot ``device_slots[i]`` into row ``i`` of ``flat`` ``[n, slot_bytes]``."""
-        rows = torch.arange(device_slots.numel(), dtype=torch.int64, device=device_slots.device)
-        bufs = slot_buffers(flat, self.device_pool)
-        return _copy_slots(
-            self.device_pool, bufs, device_slots, rows, True, None, self.knobs, check, impl
-        )
+        return self._copy_flat(flat, device_slots, True, check, impl)
 
-    def flat_to_device(
-        self,
-        flat: torch.Tensor,
-        device_slots: torch.Tensor,
-        *,
-        check: bool | None = None,
-        impl: Impl = "auto",
-    ) -> str:
+    def flat_to_device(self, flat: torch.Tensor, device_slots: torch.Tensor, *,
+                       check: bool | None = None, impl: Impl = "auto") -> str:
         """Fused flat→D: row ``i`` of ``flat`` into slot ``device_slots[i]``."""
+        return self._copy_flat(flat, device_slots, False, check, impl)
+
+    def _copy_flat(self, flat, device_slots, d2h, check, impl) -> str:
         rows = torch.arange(device_slots.numel(), dtype=torch.int64, device=device_slots.device)
-        bufs = slot_buffers(flat, self.device_pool)
-        return _copy_slots(
-            self.device_pool, bufs, device_slots, rows, False, None, self.knobs, check, impl
-        )
+        return self._copy(slot_buffers(flat, self.device_pool), device_slots, rows, d2h, None,
+                          check, impl)
+
+    def _copy(self, bufs, dev_slots, flat_slots, d2h, layer, check, impl) -> str:
+        """One launch per state component between device slots and rows of ``bufs``."""
+        pool = self.device_pool
+        if pool.device.type == "cuda" and flat_slots.device != pool.device:
+            raise ValueError(f"slots: on {flat_slots.device}, the device pool is on {pool.device}")
+        path = "torch"
+        for comp, buf in zip(pool.components, bufs, strict=True):
+            if d2h:
+                path = copy_device_to_host(comp, buf, dev_slots, flat_slots, layer=layer,
+                                           knobs=self.knobs, check=check, impl=impl)
+            else:
+                path = copy_host_to_device(buf, comp, flat_slots, dev_slots, layer=layer,
+                                           knobs=self.knobs, check=check, impl=impl)
+        return path
