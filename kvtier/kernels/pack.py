@@ -62,21 +62,7 @@ def pack_pages(
         flat: ``HostBuffer.flat`` over ``[>= n, page_bytes]`` bytes.
         pages: int64 ``[n]`` page ids on ``src.device``; ``-1`` leaves that row untouched.
     """
-    rows = _rows(flat, pages.numel(), src.device)
-    with nvtx_range(
-        f"kvtier.pack {pages.numel()} pages {fmt_bytes(pages.numel() * flat.page_bytes)}"
-    ):
-        return copy_device_to_host(
-            src,
-            flat,
-            pages,
-            rows,
-            layer=layer,
-            index_unit="page",
-            knobs=_knobs(knobs, src, flat),
-            check=check,
-            impl=impl,
-        )
+    return _page_copy(src, flat, pages, True, layer, knobs, check, impl)
 
 
 def unpack_pages(
@@ -90,18 +76,17 @@ def unpack_pages(
     impl: Impl = "auto",
 ) -> str:
     """Write row ``i`` of ``flat`` into page ``pages[i]`` of ``dst``: the inverse of packing."""
-    rows = _rows(flat, pages.numel(), dst.device)
-    with nvtx_range(
-        f"kvtier.unpack {pages.numel()} pages {fmt_bytes(pages.numel() * flat.page_bytes)}"
-    ):
-        return copy_host_to_device(
-            flat,
-            dst,
-            rows,
-            pages,
-            layer=layer,
-            index_unit="page",
-            knobs=_knobs(knobs, dst, flat),
-            check=check,
-            impl=impl,
-        )
+    return _page_copy(dst, flat, pages, False, layer, knobs, check, impl)
+
+
+def _page_copy(buffers, flat, pages, pack, layer, knobs, check, impl) -> str:
+    """Pages ``pages`` of ``buffers`` to (``pack``) or from rows ``0..n-1`` of ``flat``."""
+    rows = _rows(flat, pages.numel(), buffers.device)
+    op = "pack" if pack else "unpack"
+    knobs = _knobs(knobs, buffers, flat)
+    with nvtx_range(f"kvtier.{op} {pages.numel()} pages {fmt_bytes(pages.numel() * flat.page_bytes)}"):
+        if pack:
+            return copy_device_to_host(buffers, flat, pages, rows, layer=layer, index_unit="page",
+                                       knobs=knobs, check=check, impl=impl)
+        return copy_host_to_device(flat, buffers, rows, pages, layer=layer, index_unit="page",
+                                   knobs=knobs, check=check, impl=impl)
