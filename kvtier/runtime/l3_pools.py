@@ -22,6 +22,7 @@ from kvtier.runtime.config import CacheConfig
 from kvtier.runtime.host_pool import HostPool
 from kvtier.runtime.mamba_pool import MambaHostPool
 from kvtier.storage import Namespace
+from kvtier.storage.keys import canonical_namespace
 
 __all__ = ["L3Pool", "namespace_for"]
 
@@ -29,21 +30,21 @@ __all__ = ["L3Pool", "namespace_for"]
 def namespace_for(cfg: CacheConfig, request_namespace: Hashable, tp_size: int) -> Namespace:
     """The L3 namespace of a request: model, dtype, page size, layout, salts and TP shape.
 
-    The deployment salt and the request's namespace (LoRA id, cache salt) are joined
-    length-prefixed, and non-string namespaces by ``repr`` with a type tag, so distinct pairs
-    never give the same key.
+    The deployment salt (``cfg.storage.namespace_key``) and the request's namespace (LoRA id,
+    cache salt) are joined as their two ``canonical_namespace`` encodings back to back: each is
+    self-delimiting, so distinct pairs never give the same key, and namespaces the radix tree
+    keeps apart never share a page. Raises ``TypeError`` (``ValueError``) for a namespace that
+    ``canonical_namespace`` refuses.
     """
     st = cfg.storage
     assert st is not None
-    ns = request_namespace
-    tag = "" if ns is None else (f"s{ns}" if isinstance(ns, str) else f"r{ns!r}")
-    key = f"{len(st.namespace_key)}:{st.namespace_key}{tag}"
+    joined = canonical_namespace(st.namespace_key) + canonical_namespace(request_namespace)
     return Namespace(
         model_id=cfg.model_id,
         dtype=str(cfg.dtype).removeprefix("torch."),
         page_size=cfg.page_size,
         layout=cfg.host_layout,
-        namespace_key=key,
+        namespace_key=joined.hex(),
         tp_size=None if cfg.rank_replicated else tp_size,
     )
 

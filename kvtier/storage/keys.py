@@ -4,7 +4,9 @@ A page's hash identifies the whole prefix that ends with it: page ``i`` hashes i
 together with page ``i - 1``'s hash, and page 0 hashes them together with the namespace digest.
 Two processes (or two restarts) that agree on the namespace and the tokens therefore agree on every
 key, and the same tokens under another model, salt, dtype, page size, layout or TP shape share no
-key at all. Nothing here depends on Python's ``hash()`` or on ``PYTHONHASHSEED``.
+key at all. Nothing here depends on Python's ``hash()`` or on ``PYTHONHASHSEED``: a request's own
+namespace (LoRA id, cache salt, tenant) enters the key through ``canonical_namespace``, a typed,
+length-prefixed encoding that sorts set members by their encodings rather than by hash order.
 
 Object names add the pool and, for caches sharded across TP ranks, the rank::
 
@@ -22,13 +24,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["KEY_FORMAT_VERSION", "KeyScope", "Namespace", "page_hashes"]
+__all__ = ["KEY_FORMAT_VERSION", "KeyScope", "Namespace", "canonical_namespace", "page_hashes"]
 
-KEY_FORMAT_VERSION = 1
-"""Bumped whenever the byte encoding below changes, so old objects can never match new keys."""
+KEY_FORMAT_VERSION = 2
+"""Bumped whenever the byte encoding below changes, so old objects can never match new keys.
+
+2: request namespaces are folded in by ``canonical_namespace`` (1 used ``repr``, which depends on
+``PYTHONHASHSEED`` for sets and lets look-alike namespaces share pages).
+"""
 
 _POOL_NAME = re.compile(r"[a-z0-9_]+")
 _HASH_BYTES = 32
+_LEN_BYTES = 8
+# Deepest container nesting a namespace may have: far below the recursion limit, far above use.
+_MAX_DEPTH = 32
 
 
 def _field(value: str | int) -> bytes:
@@ -40,6 +49,76 @@ def _field(value: str | int) -> bytes:
     else:
         data, tag = value.encode("utf-8"), b"s"
     return tag + len(data).to_bytes(8, "little") + data
+
+
+def canonical_namespace(value: object) -> bytes:
+    """The canonical bytes of a request namespace: equal namespaces alike, all others apart.
+
+    Encoding: every value is ``tag (1 byte), payload length (8 bytes, little-endian), payload``,
+    so an encoding is self-delimiting and a container's payload is its members' encodings
+    concatenated:
+
+        value                tag  payload
+        None                 N    empty
+        int, bool            i    two's complement, big-endian, ``n.bit_length() // 8 + 1`` bytes
+        str                  s    UTF-8 (lone surrogates kept, as ``surrogatepass``)
+        bytes                b    the bytes
+        tuple                t    members' encodings, in order
+        frozenset, set       f    members' encodings, sorted bytewise
+
+    Why equality decides (``a == b`` exactly when the encodings are equal): the radix tree keys
+    namespaces by dict lookup, so it keeps apart exactly the namespaces that compare unequal, and
+    the L3 tier caches one key per namespace in a dict too. Equal encodings for unequal values
+    would let one tenant read another's pages; unequal encodings for equal values would make the
+    key depend on which spelling a process met first. Hence ``True`` is ``1`` and ``False`` is
+    ``0`` (also inside tuples and sets, as in Python), and a ``set`` is the ``frozenset`` with the
+    same members; ``1``, ``"1"``, ``b"1"`` and ``(1,)`` are all apart. Set members are sorted by
+    their encodings, never iterated in hash order, so the bytes are the same in every process
+    whatever ``PYTHONHASHSEED`` is.
+
+    Only the exact types above are accepted: a subclass (an enum, a ``str`` subclass) may redefine
+    ``==`` and ``hash`` and so split or join namespaces behind the encoding's back; pass its
+    ``.value`` instead. Floats (``1.0 == 1``, ``nan != nan``), lists, dicts and other objects have
+    no encoding that follows ``==`` and survives a restart, so they are refused.
+
+    Args:
+        value: the request namespace.
+
+    Raises:
+        TypeError: ``value`` is, or contains, a value of another type (the message names where).
+        ValueError: containers nest more than 32 deep (``((x,),)`` nests 2 deep).
+    """
+    return _encode(value, "namespace", 0)
+
+
+def _encode(value: object, where: str, depth: int) -> bytes:
+    kind = type(value)
+    if kind is tuple or kind is frozenset or kind is set:
+        if depth >= _MAX_DEPTH:
+            raise ValueError(f"namespace: {where} nests containers deeper than {_MAX_DEPTH} levels")
+        if kind is tuple:
+            tag = b"t"
+            members = [_encode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+        else:
+            # Sorting the encodings, not the values, gives one order for mixed member types.
+            tag = b"f"
+            members = sorted(_encode(v, f"a member of {where}", depth + 1) for v in value)
+        data = b"".join(members)
+    elif value is None:
+        tag, data = b"N", b""
+    elif kind is int or kind is bool:
+        n = int(value)
+        tag, data = b"i", n.to_bytes(n.bit_length() // 8 + 1, "big", signed=True)
+    elif kind is str:
+        tag, data = b"s", value.encode("utf-8", "surrogatepass")
+    elif kind is bytes:
+        tag, data = b"b", value
+    else:
+        raise TypeError(
+            f"namespace: {where} is a {kind.__qualname__}, which has no canonical encoding; "
+            "use str, bytes, int, bool, None, or tuples, frozensets and sets of them"
+        )
+    return tag + len(data).to_bytes(_LEN_BYTES, "little") + data
 
 
 @dataclass(frozen=True)

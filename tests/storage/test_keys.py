@@ -17,7 +17,7 @@ from kvtier.storage import KeyScope, Namespace, page_hashes
 NS = Namespace("meta-llama/Llama-3-8B", "bfloat16", 16, "page_first", tp_size=2)
 LLAMA = Namespace("meta-llama/Llama-3-8B", "bfloat16", 16, "page_first")
 # Pinned so that any change to the byte encoding shows up here (it must bump KEY_FORMAT_VERSION).
-LLAMA_DIGEST = "9881ce19ec6429a0c21db37889184746504ffa1afa9d8d8564cadb2a45e2f270"
+LLAMA_DIGEST = "0f31e1e12241fac88da1f59b0109f41e7c47906abb4ca3f9950871f5703fe087"
 
 
 def test_digest_is_pinned() -> None:
@@ -30,7 +30,9 @@ def test_chain_matches_its_definition() -> None:
     assert len(got) == 2, "the partial page must not be hashed"
     ref = NS.digest()
     for i, h in enumerate(got):
-        ref = hashlib.sha256(ref + np.array(tokens[16 * i : 16 * (i + 1)], "<i8").tobytes()).digest()
+        ref = hashlib.sha256(
+            ref + np.array(tokens[16 * i : 16 * (i + 1)], "<i8").tobytes()
+        ).digest()
         assert h == ref.hex(), f"page {i}"
 
 
@@ -58,8 +60,14 @@ def test_stable_across_processes() -> None:
         "print(' '.join(page_hashes(range(64), ns)))\n"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     assert out.stdout.split() == page_hashes(range(64), NS)
 
 
