@@ -1,8 +1,17 @@
-"""The frozen, validated configuration of a tiered KV cache (what a model runner builds once)."""
+"""The frozen, validated configuration of a tiered KV cache (what a model runner builds once).
+
+Both configs refuse bad input on construction (and so on ``dataclasses.replace``): a field of the
+wrong type raises ``TypeError``, a value out of range ``ValueError``; each message names the field
+and shows the value. A configuration that is valid but works against itself (see
+``KVTierConfigWarning``) is built, with a warning.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import numbers
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,11 +21,86 @@ from kvtier.kernels.kv_transfer import TransferKnobs
 from kvtier.kernels.layout import HostLayout
 from kvtier.runtime.mamba_pool import MambaStateSpec
 
-__all__ = ["CacheConfig", "LAYER_KINDS", "PREFETCH_POLICIES", "StorageConfig", "WRITE_POLICIES"]
+__all__ = [
+    "LAYER_KINDS",
+    "PREFETCH_POLICIES",
+    "WRITE_POLICIES",
+    "CacheConfig",
+    "KVTierConfigWarning",
+    "StorageConfig",
+]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 LAYER_KINDS = ("full", "swa", "mamba")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+class KVTierConfigWarning(UserWarning):
+    """A configuration that is valid but defeats one of its own tiers."""
+
+
+# -- field checks: each raises naming the field and showing the value ------------------------
+
+
+def _int(obj: object, name: str, *, optional: bool = False, minimum: int | None = None) -> None:
+    """Check an int field (bools and floats refused, integral numpy scalars stored as int)."""
+    v = getattr(obj, name)
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"{name}: expected {kind}, got {v!r} ({type(v).__name__})")
+    object.__setattr__(obj, name, int(v))
+    if minimum is not None and v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v!r}")
+
+
+def _real(obj: object, name: str, *, optional: bool = False) -> None:
+    """Check a finite real field: nan and inf would turn comparisons (timeouts, limits) off."""
+    v = getattr(obj, name)
+    if v is None and optional:
+        return
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        kind = "a number or None" if optional else "a number"
+        raise TypeError(f"{name}: expected {kind}, got {v!r} ({type(v).__name__})")
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v!r}")
+
+
+def _typed(obj: object, name: str, types: type | tuple[type, ...], what: str) -> None:
+    v = getattr(obj, name)
+    if not isinstance(v, types):
+        raise TypeError(f"{name}: expected {what}, got {v!r} ({type(v).__name__})")
+
+
+def _dtype(value: object, name: str) -> None:
+    if isinstance(value, torch.dtype):
+        return
+    hint = ""
+    if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+        hint = f"; pass torch.{value}"
+    raise TypeError(f"{name}: expected a torch.dtype, got {value!r} ({type(value).__name__}){hint}")
+
+
+def _device(value: object) -> None:
+    """The pools live on CPU or on an existing CUDA device."""
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(
+            f"device: expected a str or torch.device, got {value!r} ({type(value).__name__})"
+        )
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"device: cannot parse {value!r} as a torch device ({e})") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise ValueError(f"device: pools live on 'cpu' or 'cuda', got {value!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {value!r} requested, but CUDA is not available here")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"device: {value!r} names CUDA device {dev.index}, but {count} exist")
 
 
 @dataclass(frozen=True)
@@ -63,24 +147,35 @@ class StorageConfig:
     batch_pages: int = 128
 
     def __post_init__(self) -> None:
+        _typed(self, "backend", str, "a backend name (str)")
+        if not self.backend:
+            raise ValueError(f"backend: expected a registered backend name, got {self.backend!r}")
+        _typed(self, "backend_config", Mapping, "a mapping of backend Config arguments")
+        _typed(self, "namespace_key", str, "a str")
+        _typed(self, "prefetch_policy", str, f"one of {PREFETCH_POLICIES}")
         if self.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(
                 f"prefetch_policy: unknown {self.prefetch_policy!r}; choose from {PREFETCH_POLICIES}"
             )
-        if self.prefetch_timeout_base_s < 0 or self.prefetch_timeout_per_ki_token_s < 0:
-            raise ValueError("prefetch timeouts must be >= 0 seconds")
-        if self.prefetch_min_tokens < 0:
-            raise ValueError("prefetch_min_tokens must be >= 0")
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s"):
+            _real(self, name)
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {getattr(self, name)!r}")
+        _int(self, "prefetch_min_tokens", minimum=0)
+        _real(self, "host_occupancy_limit")
         if not 0 < self.host_occupancy_limit <= 1:
             raise ValueError(
-                f"host_occupancy_limit must be in (0, 1], got {self.host_occupancy_limit}"
+                f"host_occupancy_limit must be in (0, 1], got {self.host_occupancy_limit!r}"
             )
+        for name in ("write_to_storage", "rank_replicated"):
+            _typed(self, name, bool, "a bool")
         for name in ("prefill_tokens_per_s", "assumed_storage_gbps"):
+            _real(self, name, optional=True)
             v = getattr(self, name)
             if v is not None and v <= 0:
-                raise ValueError(f"{name} must be positive or None, got {v}")
-        if self.backup_retries < 0 or self.batch_pages < 1:
-            raise ValueError("need backup_retries >= 0 and batch_pages >= 1")
+                raise ValueError(f"{name} must be positive or None, got {v!r}")
+        _int(self, "backup_retries", minimum=0)
+        _int(self, "batch_pages", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -101,7 +196,8 @@ class CacheConfig:
         page_size: tokens per page P.
         device_tokens: FULL device token slots.
         swa_window: sliding window in tokens (needed when a layer is "swa").
-        swa_tokens: SWA device token slots (default: ``device_tokens``).
+        swa_tokens: SWA device token slots (default: ``device_tokens``); at least the window
+            rounded up to pages plus one page, what one request may hold.
         mamba: per-layer Mamba state (needed when a layer is "mamba").
         mamba_slots: device Mamba state slots.
         host_tokens / host_ratio: FULL host slots, or their ratio to ``device_tokens``; exactly
@@ -113,7 +209,7 @@ class CacheConfig:
         load_back_min_tokens: host hits shorter than this are recomputed instead of loaded.
         load_back_max_tokens: a load larger than this is refused (recomputed); None: no limit.
         knobs: copy-kernel launch knobs (grid cap, tile bytes, warps).
-        device: where device pools live.
+        device: where device pools live: "cpu" or an available CUDA device.
         model_id: checkpoint identity (name and revision); seeds every L3 page key.
         storage: the L3 tier, or None for none (needs ``model_id``).
     """
@@ -138,13 +234,60 @@ class CacheConfig:
     load_back_min_tokens: int = 1
     load_back_max_tokens: int | None = None
     knobs: TransferKnobs | None = field(default=None, compare=False)
-    device: str = "cpu"
+    device: str | torch.device = "cpu"
     model_id: str = ""
     storage: StorageConfig | None = None
 
     def __post_init__(self) -> None:
-        kinds = tuple(self.layer_kinds)
-        object.__setattr__(self, "layer_kinds", kinds)
+        self._check_types()
+        self._check_layers()
+        self._check_sizes()
+        self._check_policies()
+        self._check_host()
+        if self.storage is not None and not self.model_id:
+            raise ValueError(
+                "model_id: needed with storage (L3 keys must name the checkpoint, or two models "
+                "would read each other's pages)"
+            )
+        self._warn_self_defeating()
+
+    def _check_types(self) -> None:
+        kinds = self.layer_kinds
+        # A str is a sequence too: "full" would be read as the layers 'f', 'u', 'l', 'l'.
+        if isinstance(kinds, (str, bytes)) or not isinstance(kinds, Sequence):
+            raise TypeError(
+                f"layer_kinds: expected a sequence of layer kinds such as ('full', 'swa'), got "
+                f"{kinds!r} ({type(kinds).__name__})"
+            )
+        for i, k in enumerate(kinds):
+            if not isinstance(k, str):
+                raise TypeError(f"layer_kinds[{i}]: expected a str, got {k!r} ({type(k).__name__})")
+        object.__setattr__(self, "layer_kinds", tuple(kinds))
+        for name in ("kv_heads", "head_dim", "page_size", "device_tokens", "load_back_min_tokens"):
+            _int(self, name)
+        for name in (
+            "mla_dim",
+            "swa_window",
+            "swa_tokens",
+            "mamba_slots",
+            "host_tokens",
+            "load_back_max_tokens",
+        ):
+            _int(self, name, optional=True)
+        _real(self, "host_ratio", optional=True)
+        _dtype(self.dtype, "dtype")
+        _typed(self, "indexer", bool, "a bool")
+        _typed(self, "mamba", (MambaStateSpec, type(None)), "a MambaStateSpec or None")
+        _typed(self, "host_layout", str, "a host layout name (str)")
+        _typed(self, "mamba_host_layout", str, "a str")
+        _typed(self, "write_policy", str, f"one of {WRITE_POLICIES}")
+        _typed(self, "knobs", (TransferKnobs, type(None)), "a TransferKnobs or None")
+        _typed(self, "model_id", str, "a str")
+        _typed(self, "storage", (StorageConfig, type(None)), "a StorageConfig or None")
+        _device(self.device)
+
+    def _check_layers(self) -> None:
+        kinds = self.layer_kinds
         if not kinds:
             raise ValueError("layer_kinds: a model has at least one layer")
         bad = [k for k in kinds if k not in LAYER_KINDS]
@@ -152,27 +295,9 @@ class CacheConfig:
             raise ValueError(f"layer_kinds: unknown kind {bad[0]!r}; choose from {LAYER_KINDS}")
         if "full" not in kinds:
             raise ValueError("layer_kinds: at least one full-attention layer anchors the cache")
-        P = self.page_size
-        if not 1 <= P <= 256:
-            raise ValueError(f"page_size must be in [1, 256], got {P}")
-        if self.device_tokens <= 0 or self.device_tokens % P:
-            raise ValueError(f"device_tokens={self.device_tokens} must be a positive multiple of {P}")
-        if self.mla_dim is None:
-            for name in ("kv_heads", "head_dim"):
-                if getattr(self, name) < 1:
-                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not (self.dtype.is_floating_point or self.dtype.itemsize == 1):
-            raise ValueError(f"dtype: KV must be a float or 8-bit type, got {self.dtype}")
-        if self.swa_tokens is not None and (self.swa_tokens <= 0 or self.swa_tokens % P):
-            raise ValueError(f"swa_tokens={self.swa_tokens} must be a positive multiple of {P}")
-        if self.mamba_slots is not None and self.mamba_slots < 1:
-            raise ValueError(f"mamba_slots must be >= 1, got {self.mamba_slots}")
-        if "swa" in kinds:
-            if not self.swa_window or self.swa_window <= 0:
-                raise ValueError("swa_window: needed (positive) when a layer is 'swa'")
         if self.mla_dim is not None:
             if self.mla_dim < 1:
-                raise ValueError(f"mla_dim must be >= 1, got {self.mla_dim}")
+                raise ValueError(f"mla_dim must be >= 1, got {self.mla_dim!r}")
             # Their pages are per-rank head shards under TP, MLA pages are rank-replicated:
             # one cache cannot key both ways.
             other = sorted(set(kinds) - {"full"})
@@ -180,8 +305,57 @@ class CacheConfig:
                 raise ValueError(
                     f"mla_dim: MLA caches hold only 'full' layers, got {other[0]!r} layers"
                 )
-        if "mamba" in kinds and (self.mamba is None or not self.mamba_slots):
+        if "swa" in kinds and self.swa_window is None:
+            raise ValueError("swa_window: needed (positive) when a layer is 'swa'")
+        if "mamba" in kinds and (self.mamba is None or self.mamba_slots is None):
             raise ValueError("mamba, mamba_slots: needed when a layer is 'mamba'")
+
+    def _check_sizes(self) -> None:
+        P = self.page_size
+        if not 1 <= P <= 256:
+            raise ValueError(f"page_size must be in [1, 256], got {P!r}")
+        if self.device_tokens <= 0 or self.device_tokens % P:
+            raise ValueError(
+                f"device_tokens={self.device_tokens!r} must be a positive multiple of page_size={P}"
+            )
+        if self.mla_dim is None:
+            for name in ("kv_heads", "head_dim"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not (self.dtype.is_floating_point or self.dtype.itemsize == 1):
+            raise ValueError(f"dtype: KV must be a float or 8-bit type, got {self.dtype}")
+        if self.swa_tokens is not None and (self.swa_tokens <= 0 or self.swa_tokens % P):
+            raise ValueError(
+                f"swa_tokens={self.swa_tokens!r} must be a positive multiple of page_size={P}"
+            )
+        if self.swa_window is not None and self.swa_window < 1:
+            raise ValueError(f"swa_window must be >= 1, got {self.swa_window!r}")
+        if "swa" in self.layer_kinds:
+            # A running request holds its window (in whole pages), the page being filled and
+            # the tokens of one step: a pool smaller than window + page cannot run one request.
+            need = -(-self.swa_window // P) * P + P
+            if self.swa_device_tokens < need:
+                raise ValueError(
+                    f"swa_tokens: the SWA pool of {self.swa_device_tokens} tokens (swa_tokens="
+                    f"{self.swa_tokens!r}, default device_tokens) cannot hold one request's "
+                    f"swa_window={self.swa_window!r} rounded up to pages of {P} plus one page: "
+                    f"need swa_tokens >= {need}"
+                )
+        if self.mamba_slots is not None and self.mamba_slots < 1:
+            raise ValueError(f"mamba_slots must be >= 1, got {self.mamba_slots!r}")
+        if self.load_back_min_tokens < 0:
+            raise ValueError(
+                f"load_back_min_tokens must be >= 0, got {self.load_back_min_tokens!r}"
+            )
+        if self.load_back_max_tokens is not None and (
+            self.load_back_max_tokens < max(self.load_back_min_tokens, 1)
+        ):
+            raise ValueError(
+                f"load_back_max_tokens={self.load_back_max_tokens} is below load_back_min_tokens="
+                f"{self.load_back_min_tokens}: every load-back would be refused"
+            )
+
+    def _check_policies(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"write_policy: unknown {self.write_policy!r}; choose from {WRITE_POLICIES}"
@@ -192,27 +366,35 @@ class CacheConfig:
                 f"mamba_host_layout: Mamba host pools support only 'flat' (one contiguous page "
                 f"per slot), not {self.mamba_host_layout!r}"
             )
+
+    def _check_host(self) -> None:
         if (self.host_tokens is None) == (self.host_ratio is None):
-            raise ValueError("give exactly one of host_tokens, host_ratio")
+            raise ValueError(
+                f"give exactly one of host_tokens, host_ratio; got host_tokens="
+                f"{self.host_tokens!r}, host_ratio={self.host_ratio!r}"
+            )
+        if self.host_ratio is not None and self.host_ratio <= 0:
+            raise ValueError(f"host_ratio must be > 0, got {self.host_ratio!r}")
         host = self.host_kv_tokens
         if host < self.device_tokens:
             raise ValueError(
                 f"host_tokens: host pool of {host} tokens is smaller than the device pool of "
                 f"{self.device_tokens}; the host tier must be able to hold what the device holds"
             )
-        if self.load_back_min_tokens < 0:
-            raise ValueError("load_back_min_tokens must be >= 0")
-        if self.load_back_max_tokens is not None and (
-            self.load_back_max_tokens < max(self.load_back_min_tokens, 1)
+
+    def _warn_self_defeating(self) -> None:
+        if (
+            self.write_policy == "write_through"
+            and self.storage is not None
+            and self.host_kv_tokens <= self.device_tokens
         ):
-            raise ValueError(
-                f"load_back_max_tokens={self.load_back_max_tokens} is below load_back_min_tokens="
-                f"{self.load_back_min_tokens}: every load-back would be refused"
-            )
-        if self.storage is not None and not self.model_id:
-            raise ValueError(
-                "model_id: needed with storage (L3 keys must name the checkpoint, or two models "
-                "would read each other's pages)"
+            warnings.warn(
+                f"host_ratio: under write_through the host pool mirrors the device pool, and a "
+                f"host pool of {self.host_kv_tokens} tokens for a device pool of "
+                f"{self.device_tokens} leaves no room for pages prefetched from storage, so L3 "
+                f"can almost never serve a hit; use host_ratio >= 2",
+                KVTierConfigWarning,
+                stacklevel=4,
             )
 
     # -- derived sizes -------------------------------------------------------------------------
@@ -230,7 +412,11 @@ class CacheConfig:
     @property
     def host_kv_tokens(self) -> int:
         P = self.page_size
-        n = self.host_tokens if self.host_tokens is not None else int(self.device_tokens * self.host_ratio)
+        n = (
+            self.host_tokens
+            if self.host_tokens is not None
+            else int(self.device_tokens * self.host_ratio)
+        )
         return n // P * P
 
     @property

@@ -14,6 +14,7 @@ the L3 object of the slot, so storage reads and writes host slots in place.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +31,11 @@ __all__ = ["MambaStateSpec", "MambaDevicePool", "MambaHostPool", "slot_buffers"]
 
 @dataclass(frozen=True)
 class MambaStateSpec:
-    """Per-layer state of one slot: a temporal state and ``len(conv_shapes)`` conv states."""
+    """Per-layer state of one slot: a temporal state and ``len(conv_shapes)`` conv states.
+
+    Every dimension is a positive int (a zero-sized state would hold no bytes), shapes are stored
+    as tuples and ``conv_dtypes`` defaults to bf16 for each conv state.
+    """
 
     temporal_shape: tuple[int, ...]
     conv_shapes: tuple[tuple[int, ...], ...]
@@ -38,18 +43,59 @@ class MambaStateSpec:
     conv_dtypes: tuple[torch.dtype, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not self.conv_shapes:
-            raise ValueError("conv_shapes: a Mamba layer has at least one conv state")
-        dtypes = self.conv_dtypes or (torch.bfloat16,) * len(self.conv_shapes)
-        if len(dtypes) != len(self.conv_shapes):
-            raise ValueError(
-                f"conv_dtypes: {len(dtypes)} dtypes for {len(self.conv_shapes)} conv states"
+        temporal = self._shape(self.temporal_shape, "temporal_shape")
+        shapes = self.conv_shapes
+        if not isinstance(shapes, (tuple, list)):
+            raise TypeError(
+                f"conv_shapes: expected a tuple of shapes, got {shapes!r} ({type(shapes).__name__})"
             )
+        if not shapes:
+            raise ValueError("conv_shapes: a Mamba layer has at least one conv state")
+        convs = tuple(self._shape(s, f"conv_shapes[{i}]") for i, s in enumerate(shapes))
+        self._dtype(self.temporal_dtype, "temporal_dtype")
+        dtypes = self.conv_dtypes
+        if dtypes is None:
+            dtypes = (torch.bfloat16,) * len(convs)
+        elif not isinstance(dtypes, (tuple, list)):
+            raise TypeError(
+                f"conv_dtypes: expected a tuple of torch.dtype or None, got {dtypes!r} "
+                f"({type(dtypes).__name__})"
+            )
+        for i, d in enumerate(dtypes):
+            self._dtype(d, f"conv_dtypes[{i}]")
+        if len(dtypes) != len(convs):
+            raise ValueError(f"conv_dtypes: {len(dtypes)} dtypes for {len(convs)} conv states")
+        object.__setattr__(self, "temporal_shape", temporal)
+        object.__setattr__(self, "conv_shapes", convs)
         object.__setattr__(self, "conv_dtypes", tuple(dtypes))
 
+    @staticmethod
+    def _shape(shape: object, name: str) -> tuple[int, ...]:
+        """``shape`` as a tuple of positive ints, or a TypeError / ValueError naming ``name``."""
+        # A bare int (conv_shapes=((4, 2)) missing a comma) or a str is not a shape.
+        if not isinstance(shape, (tuple, list)):
+            raise TypeError(
+                f"{name}: expected a tuple of ints, got {shape!r} ({type(shape).__name__})"
+            )
+        for j, n in enumerate(shape):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+                raise TypeError(
+                    f"{name}[{j}]: expected an int, got {n!r} ({type(n).__name__}) in {shape!r}"
+                )
+            if n <= 0:
+                raise ValueError(f"{name}[{j}]: sizes must be >= 1, got {n!r} in {shape!r}")
+        return tuple(int(n) for n in shape)
+
+    @staticmethod
+    def _dtype(dtype: object, name: str) -> None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"{name}: expected a torch.dtype, got {dtype!r} ({type(dtype).__name__})"
+            )
+
     def component_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        return [(tuple(self.temporal_shape), self.temporal_dtype)] + [
-            (tuple(s), d) for s, d in zip(self.conv_shapes, self.conv_dtypes, strict=True)
+        return [(self.temporal_shape, self.temporal_dtype)] + [
+            (s, d) for s, d in zip(self.conv_shapes, self.conv_dtypes, strict=True)
         ]
 
 
