@@ -38,17 +38,22 @@ class CachedRunner:
         self.last_request: Request | None = None
 
     def _forward(self, req: Request, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """One step: positions ``[start, start + len(tokens))`` are computed and marked so."""
         cache = self.cache
+        end = start + len(tokens)
+        swa_slots = cache.begin_step(req, end)  # SWA slots for this step, -1 out of the window
         mamba = int(req.mamba_slot) if req.mamba_slot is not None else None
-        return self.model.forward(
+        logits = self.model.forward(
             tokens,
             start,
             req.kv_slots,
-            cache.swa_slots(req),
+            swa_slots,
             mamba,
             self.pools,
             wait_layer=lambda layer: cache.wait_layer(layer, [req]),
         )
+        cache.computed(req, end)  # frees SWA slots that slid out of the window
+        return logits
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int, namespace=None) -> Generation:
         """Greedy decode ``max_new_tokens`` after ``prompt``, reusing whatever the cache holds."""
@@ -80,13 +85,11 @@ class CachedRunner:
             end = min(len(prompt), (pos // P + 1) * P)
             logits = self._forward(req, prompt[pos:end], pos)
             pos = end
-            cache.computed(req, pos)
         rows = [logits[-1]]
         out = [int(torch.argmax(rows[-1]))]
         while len(out) < max_new_tokens:  # decode: the last answer token is never fed back
             step = self._forward(req, [out[-1]], pos)
             pos += 1
-            cache.computed(req, pos)
             rows.append(step[-1])
             out.append(int(torch.argmax(rows[-1])))
         return out, rows

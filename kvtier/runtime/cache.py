@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.nvtx import nvtx_range
@@ -49,6 +50,7 @@ from kvtier.runtime.tree_config import TreeConfig, build_tree
 from kvtier.runtime.tree_node import TreeNode
 from kvtier.runtime.tree_requests import CacheRequest
 from kvtier.storage import Direction, StorageBackend, StorageMetrics, Tier
+from kvtier.storage.keys import canonical_namespace
 
 __all__ = ["CacheCounters", "Request", "TieredKVCache"]
 
@@ -62,6 +64,8 @@ class Request(CacheRequest):
         host_hit: prompt tokens loaded back from host.
         computed_len: tokens whose KV/state the runner has written.
         mamba_ckpt: a slot holding the state at ``mamba_ckpt_len`` tokens (page-aligned).
+        released: ``""`` while the request runs; ``"finished"`` or ``"aborted"`` once
+            ``cache_finished_req`` or ``abort`` took its slots back (any later use is refused).
     """
 
     device_hit: int = 0
@@ -69,6 +73,7 @@ class Request(CacheRequest):
     computed_len: int = 0
     mamba_ckpt: torch.Tensor | None = None
     mamba_ckpt_len: int = 0
+    released: str = ""  # "finished" or "aborted" once the cache has taken everything back
     _pending_cow: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
 
     @property
@@ -204,7 +209,10 @@ class TieredKVCache:
         The returned request owns a pin on its cached prefix until ``cache_finished_req``.
         """
         cfg, tree = self.config, self.tree
-        tokens = list(token_ids)
+        tokens = token_list(token_ids)
+        _check_namespace(namespace)
+        if type(priority) is not int:
+            raise TypeError(f"priority: expected an int, got {priority!r}")
         with nvtx_range(f"kvtier.match {len(tokens)} tokens"):
             m = tree.match_prefix(tokens[:-1], namespace)
         req = Request(
@@ -262,13 +270,17 @@ class TieredKVCache:
         None when no prefetch was started (no storage, too short, host pool busy). Under TP
         every rank must make the same calls in the same order.
         """
+        tokens = token_list(token_ids)
+        _check_namespace(namespace)
         if self.l3 is None:
             return None
-        with nvtx_range(f"kvtier.prefetch {len(token_ids)} tokens"):
-            return self.l3.prefetch(token_ids, namespace)
+        with nvtx_range(f"kvtier.prefetch {len(tokens)} tokens"):
+            return self.l3.prefetch(tokens, namespace)
 
     def abort_prefetch(self, prefetch: Prefetch) -> None:
         """Give up ``prefetch`` (request aborted); what it holds is released exactly once."""
+        if not isinstance(prefetch, Prefetch):
+            raise TypeError(f"prefetch: expected a Prefetch from prefetch(), got {prefetch!r}")
         if self.l3 is not None:
             self.l3.abort(prefetch)
 
@@ -298,7 +310,18 @@ class TieredKVCache:
         return self.controller.start_loading()
 
     def wait_layer(self, layer: int, requests: Sequence[Request] = ()) -> None:
-        """Call before layer ``layer`` reads the cache: waits for its loads, copies Mamba states."""
+        """Call before layer ``layer`` reads the cache: waits for its loads, copies Mamba states.
+
+        ``layer`` is a model layer in ``[0, len(layer_kinds))``; ``requests`` are the running
+        requests of this forward pass (default: every running request).
+        """
+        n = len(self.layer_map)
+        if type(layer) is not int:
+            raise TypeError(f"layer: expected an int model layer, got {layer!r}")
+        if not 0 <= layer < n:
+            raise ValueError(f"layer: {layer} is not a model layer in [0, {n})")
+        for req in requests:
+            self._check_request(req)
         self.controller.wait_layer(layer)
         kind, pool_layer = self.layer_map[layer]
         if kind != "mamba":
@@ -313,38 +336,80 @@ class TieredKVCache:
     # -- slots for new tokens ----------------------------------------------------------------
 
     def reserve(self, req: Request, total_tokens: int) -> torch.Tensor:
-        """Make ``req.kv_slots`` cover ``total_tokens`` positions (whole pages); returns them."""
+        """Make ``req.kv_slots`` cover ``total_tokens`` positions (whole pages); returns them.
+
+        Takes FULL slots only; a hybrid model's SWA slots are taken step by step by
+        ``begin_step``. Raises ``RuntimeError`` (evicting nothing, taking nothing) when even
+        evicting every unpinned cached page would not make room.
+        """
+        self._check_request(req)
+        _check_count(total_tokens, "total_tokens")
         P = self.config.page_size
         need = -(-total_tokens // P) * P - req.kv_slots.numel()
         if need > 0:
-            slots = self.kv_alloc.alloc(need)
+            alloc = self.kv_alloc.alloc_full if self.swa_pool is not None else self.kv_alloc.alloc
+            slots = alloc(need)
             if slots is None:
                 self._make_room(need)
-                slots = self.kv_alloc.alloc(need)
+                slots = alloc(need)
             if slots is None:
                 raise RuntimeError(f"device KV pool exhausted: {need} tokens needed")
             req.kv_slots = torch.cat([req.kv_slots, slots])
         return req.kv_slots
 
     def _make_room(self, need: int) -> None:
-        """Evict just the shortfall for ``need`` new slots; raise, evicting nothing, if even
+        """Evict just the shortfall for ``need`` new FULL slots; raise, evicting nothing, if even
         every evictable token would not be enough."""
         a = self.kv_alloc
-        if self.swa_pool is not None:
-            full_short = need - a.full_available_size()
-            swa_short = max(0, need - a.swa_available_size())
-        else:
-            full_short, swa_short = need - a.available_size(), 0
+        free = a.full_available_size() if self.swa_pool is not None else a.available_size()
+        short = need - free
         evictable = self.tree.evictable[0]
-        if full_short > evictable:
+        if short > evictable:
             raise RuntimeError(
-                f"device KV pool exhausted: {need} tokens needed, {need - full_short} free, "
+                f"device KV pool exhausted: {need} tokens needed, {free} free, "
                 f"{evictable} evictable"
             )
-        self._evict_for(max(0, full_short), swa_short)
+        self._evict_for(short, 0)
+
+    def begin_step(self, req: Request, end: int) -> torch.Tensor | None:
+        """The runner is about to write positions ``[req.computed_len, end)``: give them SWA
+        slots (evicting cached SWA data if the SWA pool is short) and return the SWA slot of
+        every position of ``req.kv_slots`` (``-1`` where there is none: outside the window, or
+        not reached yet). None for a model without SWA layers.
+
+        Call it before each forward step (a prefill chunk, a decode step); ``computed``
+        frees the SWA slots that slid out of the window. Raises ``ValueError`` if ``end`` is
+        beyond the reserved slots, and ``RuntimeError`` (taking nothing) if the SWA pool cannot
+        hold the step.
+        """
+        self._check_request(req)
+        self._check_end(req, end, "end")
+        if self.swa_pool is None:
+            return None
+        P, a = self.config.page_size, self.kv_alloc
+        lo = max(req.cache_protected_len, req.computed_len // P * P)
+        hi = -(-end // P) * P
+        firsts = req.kv_slots[lo:hi:P]
+        missing = firsts[a.translate(firsts) < 0]
+        if missing.numel():
+            pages = a.full.pages_to_slots(missing // P)
+            if not a.alloc_swa_for(pages):
+                short = pages.numel() - a.swa_available_size()
+                evictable = self.tree.evictable[self.tree.swa.slot]
+                if short > evictable:
+                    raise RuntimeError(
+                        f"device SWA pool exhausted: {pages.numel()} SWA slots needed for "
+                        f"positions [{req.computed_len}, {end}), {a.swa_available_size()} free, "
+                        f"{evictable} evictable"
+                    )
+                self._evict_for(0, short)
+                if not a.alloc_swa_for(pages):
+                    raise RuntimeError(f"device SWA pool exhausted after evicting {short} tokens")
+        return self.swa_slots(req)
 
     def swa_slots(self, req: Request) -> torch.Tensor | None:
         """SWA pool slots of the request's positions (-1 where none), or None without SWA."""
+        self._check_request(req)
         if self.swa_pool is None:
             return None
         return self.kv_alloc.translate(req.kv_slots)
@@ -352,9 +417,24 @@ class TieredKVCache:
     def computed(self, req: Request, n_tokens: int) -> None:
         """The runner has written KV/state for the first ``n_tokens`` positions of the request.
 
-        At a page boundary the request's Mamba state is checkpointed, so that it can be cached.
+        ``n_tokens`` never goes back and never passes the reserved slots; with SWA layers the
+        new positions must have had SWA slots (``begin_step``). SWA slots no later position
+        reads are freed, and at a page boundary the request's Mamba state is checkpointed, so
+        that it can be cached.
         """
+        self._check_request(req)
+        self._check_end(req, n_tokens, "n_tokens")
+        if self.swa_pool is not None and n_tokens > req.computed_len:
+            swa = self.kv_alloc.translate(req.kv_slots[req.computed_len : n_tokens])
+            if int(swa.min()) < 0:
+                first = req.computed_len + int((swa < 0).nonzero()[0])
+                raise ValueError(
+                    f"n_tokens: position {first} of [{req.computed_len}, {n_tokens}) has no SWA "
+                    f"slot; call begin_step(req, {n_tokens}) before writing the positions"
+                )
         req.computed_len = n_tokens
+        if self.swa_pool is not None:
+            self.tree.free_out_of_window(req, n_tokens)
         if self.mamba_pool is None or n_tokens % self.config.page_size:
             return
         if req.mamba_ckpt is None:
@@ -365,6 +445,28 @@ class TieredKVCache:
                 return  # no slot: this request's state will not be cached
         self.mamba_pool.copy_slots(req.mamba_slot, req.mamba_ckpt)
         req.mamba_ckpt_len = n_tokens
+
+    def _check_end(self, req: Request, end: int, arg: str) -> None:
+        if type(end) is not int:
+            raise TypeError(f"{arg}: expected an int position, got {end!r}")
+        reserved = req.kv_slots.numel()
+        if not req.computed_len <= end <= reserved:
+            raise ValueError(
+                f"{arg}: {end} is outside [computed_len={req.computed_len}, reserved={reserved}]"
+                f"; positions only advance, and only over slots taken by reserve()"
+            )
+
+    def _check_request(self, req: Request) -> None:
+        """Refuse a request that is not one of this cache's running requests."""
+        if not isinstance(req, Request):
+            raise TypeError(f"req: expected a Request from match(), got {type(req).__name__}")
+        if req.released:
+            raise ValueError(
+                f"req: the request was already {req.released}; its slots and pins were released "
+                "(match the prompt again for a new request)"
+            )
+        if self.requests.get(id(req)) is not req:
+            raise ValueError("req: the request was not matched by this cache (another cache's?)")
 
     # -- caching requests ------------------------------------------------------------------
 
@@ -385,28 +487,46 @@ class TieredKVCache:
             req.mamba_ckpt = None
         return live
 
+    def _check_tokens_cover(self, req: Request) -> None:
+        if len(req.token_ids) < req.computed_len:
+            raise ValueError(
+                f"req.token_ids: {len(req.token_ids)} token ids for {req.computed_len} computed "
+                "positions; set req.token_ids to the prompt and the tokens fed back since"
+            )
+
     def cache_finished_req(self, req: Request) -> None:
-        """Hand the request's cacheable prefix to the tree and release everything it holds."""
+        """Hand the request's cacheable prefix to the tree and release everything it holds.
+
+        ``req.token_ids`` must name at least the ``computed_len`` computed positions (the prompt
+        and every generated token fed back); the tree keeps their whole pages.
+        """
+        self._check_request(req)
+        self._check_tokens_cover(req)
         with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
             live = self._prepare_insert(req)
             self.tree.cache_finished_req(req)
             if live is not None:
                 self.tree.mamba.device_alloc.free(live)
         self.requests.pop(id(req), None)
+        req.released = "finished"
         self._after_insert(req)
 
     def abort(self, req: Request) -> None:
         """Release everything a request holds without caching it (an aborted or failed request):
         its own slots, Mamba slots, and the pin on its cached prefix."""
+        self._check_request(req)
         if req.mamba_ckpt is not None:
             self.tree.mamba.device_alloc.free(req.mamba_ckpt)
             req.mamba_ckpt = None
         req._pending_cow.clear()
         self.tree.cache_finished_req(req, is_insert=False)
         self.requests.pop(id(req), None)
+        req.released = "aborted"
 
     def cache_unfinished_req(self, req: Request) -> None:
         """Checkpoint a running request's full pages into the tree (chunked prefill, decode)."""
+        self._check_request(req)
+        self._check_tokens_cover(req)
         with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
             tokens = req.token_ids
             req.token_ids = tokens[: req.computed_len]
@@ -460,6 +580,7 @@ class TieredKVCache:
 
     def evict(self, tokens: int) -> int:
         """Free at least ``tokens`` FULL device slots if possible; returns tokens freed."""
+        _check_count(tokens, "tokens")
         with nvtx_range(f"kvtier.evict {tokens} tokens"):
             freed = self.tree.evict(full=tokens).full
         self.counters.evicted_tokens += freed
@@ -576,6 +697,62 @@ def _kv_binding(name: str, host: HostPool, indexer: HostPool | None = None) -> P
 
     per_token = host.device_pool.bytes_per_token + indexer.device_pool.bytes_per_token // P
     return PoolBinding(name, backup, load, per_token, host.device_pool.num_layers)
+
+
+def token_list(token_ids) -> list[int]:
+    """Token ids as a list of Python ints: a sequence of ints, a 1-D integer tensor or a 1-D
+    integer numpy array. Raises ``TypeError``/``ValueError`` naming ``token_ids`` otherwise."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype in (
+            torch.bool, torch.complex64, torch.complex128
+        ):
+            raise TypeError(
+                f"token_ids: expected a 1-D integer tensor, got {token_ids.dim()}-D "
+                f"{token_ids.dtype}"
+            )
+        tokens = token_ids.tolist()
+    elif isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise TypeError(
+                f"token_ids: expected a 1-D integer array, got {token_ids.ndim}-D {token_ids.dtype}"
+            )
+        tokens = token_ids.tolist()
+    elif isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+        raise TypeError(
+            f"token_ids: expected a sequence of ints, a 1-D integer tensor or array, got "
+            f"{type(token_ids).__name__}"
+        )
+    else:
+        tokens = list(token_ids)
+        if not all(type(t) is int for t in tokens):
+            for i, t in enumerate(tokens):
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise TypeError(
+                        f"token_ids: position {i} holds {t!r} ({type(t).__name__}), not an int"
+                    )
+            tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise ValueError("token_ids: needs at least one token")
+    lo, hi = min(tokens), max(tokens)
+    if lo < 0 or hi >= 2**63:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"token_ids: token id {bad} at position {tokens.index(bad)} is outside "
+                         "[0, 2**63)")
+    return tokens
+
+
+def _check_namespace(namespace: Hashable) -> None:
+    """A request namespace the tree can key and L3 can encode (``canonical_namespace``)."""
+    canonical_namespace(namespace)
+    if isinstance(namespace, set):
+        raise TypeError("namespace: a set cannot key the tree (unhashable); pass a frozenset")
+
+
+def _check_count(n: int, arg: str) -> None:
+    if type(n) is not int:
+        raise TypeError(f"{arg}: expected an int, got {n!r}")
+    if n < 0:
+        raise ValueError(f"{arg}: must be >= 0, got {n}")
 
 
 def _alloc_or_evict(alloc, n: int, evict) -> torch.Tensor | None:

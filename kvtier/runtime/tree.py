@@ -526,6 +526,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         if new_leaf:
             node = self._add_leaf(node, tokens[pos:total], value[pos:total], namespace)
             node.priority = priority
+            node.hit_count = 1  # the insert that creates a node counts as its first
         if node is not root and kept:
             for comp in aux:
                 node = comp.commit_insert(node, new_leaf, ctx)

@@ -161,11 +161,23 @@ class RequestCacheMixin:
             slot = pool.alloc(1)
         return slot
 
-    def free_out_of_window(self: UnifiedRadixTree, req: CacheRequest) -> int:
-        """Free the request's own SWA slots that slid out of the window (keeping a cushion of
-        one page); advances ``swa_evicted_seqlen``. Returns SWA tokens freed."""
+    def free_out_of_window(
+        self: UnifiedRadixTree, req: CacheRequest, seqlen: int | None = None
+    ) -> int:
+        """Free the request's own SWA slots that no later position can read; advances
+        ``swa_evicted_seqlen``. Returns SWA tokens freed.
+
+        ``seqlen`` (default ``len(req.token_ids)``) positions are computed. What stays is the
+        window, rounded up to whole pages, below the last page boundary at or under ``seqlen``:
+        exactly what a later match ending there needs (a boundary is valid only when ``window``
+        tokens above it are SWA-resident), and more than any position from ``seqlen`` on reads.
+        A request therefore holds at most ``ceil(window / P) * P`` + one page of SWA slots, plus
+        the slots of the positions it is computing.
+        """
         P = self.page_size
-        new = max(0, (len(req.token_ids) - 1) - (self.swa.window + P)) // P * P
+        n = len(req.token_ids) if seqlen is None else seqlen
+        tail = -(-self.swa.window // P) * P
+        new = max(0, n // P * P - tail)
         start = max(req.swa_evicted_seqlen, req.cache_protected_len)
         freed = 0
         if new > start:

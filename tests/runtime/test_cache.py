@@ -54,7 +54,7 @@ def forward(cache: TieredKVCache, req, upto: int) -> None:
     while req.computed_len < upto:
         start = req.computed_len
         end = min(upto, (start // P + 1) * P)
-        swa_slots = cache.swa_slots(req)
+        swa_slots = cache.begin_step(req, end)
         for layer, kind in enumerate(kinds):
             cache.wait_layer(layer, [req])
             _, pl = cache.layer_map[layer]

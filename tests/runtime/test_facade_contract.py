@@ -1,0 +1,240 @@
+"""The facade's contract under wrong and awkward inputs from another program.
+
+Every refused call raises ``TypeError`` or ``ValueError`` naming the argument, and leaves the
+cache's books exactly as they were: allocators, tree, pins, running requests and counters. After
+each refusal the same cache still serves a full request and passes ``check_integrity``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.runtime.cache import TieredKVCache
+from kvtier.runtime.config import CacheConfig
+from kvtier.runtime.mamba_pool import MambaStateSpec
+
+P = 4
+SPEC = MambaStateSpec(temporal_shape=(2, 3), conv_shapes=((4, 2),), conv_dtypes=(torch.float32,))
+
+
+def make_cache(kinds=("full", "swa", "mamba"), policy="write_through", **kw) -> TieredKVCache:
+    cfg = CacheConfig(
+        layer_kinds=kinds, kv_heads=1, head_dim=4, page_size=P, device_tokens=64,
+        dtype=torch.float32, swa_window=8 if "swa" in kinds else None,
+        mamba=SPEC if "mamba" in kinds else None, mamba_slots=8 if "mamba" in kinds else None,
+        host_ratio=4.0, write_policy=policy, **kw,
+    )
+    return TieredKVCache(cfg)
+
+
+def step(cache: TieredKVCache, req, end: int) -> None:
+    """One forward step of a model that writes nothing: slots taken, positions marked."""
+    cache.begin_step(req, end)
+    for layer in range(len(cache.layer_map)):
+        cache.wait_layer(layer, [req])
+    cache.computed(req, end)
+
+
+def serve(cache: TieredKVCache, tokens: list[int], new: int = 3):
+    """A whole request: match, reserve, prefill by pages, decode, finish."""
+    req = cache.match(tokens)
+    cache.reserve(req, len(tokens) + new)
+    cache.start_loading()
+    while req.computed_len < len(tokens) + new:
+        c = req.computed_len
+        step(cache, req, min(len(tokens) + new, (c // P + 1) * P))
+    req.token_ids = list(tokens) + [7] * new
+    cache.cache_finished_req(req)
+    cache.poll()
+    cache.check_integrity()
+    return req
+
+
+def books(cache: TieredKVCache) -> dict:
+    """Everything a refused call must leave as it was."""
+    t, a = cache.tree, cache.kv_alloc
+    out = {
+        "kv_free": a.full_available_size() if cache.swa_pool is not None else a.available_size(),
+        "host_free": t.full.host_alloc.available_size(),
+        "nodes": sorted((n.id, n.lock[:], n.host_lock[:]) for n in t.all_nodes()),
+        "evictable": list(t.evictable),
+        "protected": list(t.protected),
+        "counters": cache.counters.as_dict(),
+        "requests": {
+            k: (r.computed_len, r.kv_slots.tolist(), r.cache_protected_len, r.swa_evicted_seqlen,
+                r.released, None if r.mamba_slot is None else int(r.mamba_slot))
+            for k, r in cache.requests.items()
+        },
+    }
+    if cache.swa_pool is not None:
+        out["swa_free"] = a.swa_available_size()
+        out["swa_map"] = a.translate(torch.arange(a.size)).tolist()
+    if cache.mamba_pool is not None:
+        out["mamba_free"] = t.mamba.device_alloc.available_size()
+    return out
+
+
+class Foreign:
+    def __repr__(self) -> str:
+        return "Foreign()"
+
+
+# (id, call, exception, message pattern). ``call(cache, live, ctx)`` gets a cache, a running
+# request ``live`` with 8 computed positions and 16 reserved, and ``ctx`` with an aborted, a
+# finished and another cache's request.
+BAD_CALLS = [
+    ("match-str", lambda c, r, x: c.match("hello"), TypeError, "token_ids"),
+    ("match-bytes", lambda c, r, x: c.match(b"\x01\x02"), TypeError, "token_ids"),
+    ("match-none", lambda c, r, x: c.match(None), TypeError, "token_ids"),
+    ("match-float", lambda c, r, x: c.match(3.0), TypeError, "token_ids"),
+    ("match-float-items", lambda c, r, x: c.match([1.0, 2.0]), TypeError, "token_ids"),
+    ("match-nested", lambda c, r, x: c.match([[1, 2], [3]]), TypeError, "token_ids"),
+    ("match-bool-items", lambda c, r, x: c.match([True, False]), TypeError, "token_ids"),
+    ("match-str-items", lambda c, r, x: c.match(["1", "2"]), TypeError, "token_ids"),
+    ("match-2d-tensor", lambda c, r, x: c.match(torch.ones(2, 3, dtype=torch.int64)),
+     TypeError, "token_ids"),
+    ("match-float-tensor", lambda c, r, x: c.match(torch.ones(4)), TypeError, "token_ids"),
+    ("match-bool-tensor", lambda c, r, x: c.match(torch.ones(4, dtype=torch.bool)),
+     TypeError, "token_ids"),
+    ("match-float-array", lambda c, r, x: c.match(np.ones(4)), TypeError, "token_ids"),
+    ("match-2d-array", lambda c, r, x: c.match(np.ones((2, 2), dtype=np.int64)),
+     TypeError, "token_ids"),
+    ("match-empty", lambda c, r, x: c.match([]), ValueError, "token_ids"),
+    ("match-negative", lambda c, r, x: c.match([1, -1, 2]), ValueError, "token_ids"),
+    ("match-huge", lambda c, r, x: c.match([1, 2**63]), ValueError, "token_ids"),
+    ("match-ns-list", lambda c, r, x: c.match([1, 2], namespace=["a"]), TypeError, "namespace"),
+    ("match-ns-float", lambda c, r, x: c.match([1, 2], namespace=1.5), TypeError, "namespace"),
+    ("match-ns-object", lambda c, r, x: c.match([1, 2], namespace=Foreign()),
+     TypeError, "namespace"),
+    ("match-ns-set", lambda c, r, x: c.match([1, 2], namespace={"a"}), TypeError, "namespace"),
+    ("match-priority-str", lambda c, r, x: c.match([1, 2], priority="high"),
+     TypeError, "priority"),
+    ("match-priority-float", lambda c, r, x: c.match([1, 2], priority=1.5),
+     TypeError, "priority"),
+    ("prefetch-str", lambda c, r, x: c.prefetch("abc"), TypeError, "token_ids"),
+    ("abort-prefetch-none", lambda c, r, x: c.abort_prefetch(None), TypeError, "prefetch"),
+    ("reserve-negative", lambda c, r, x: c.reserve(r, -4), ValueError, "total_tokens"),
+    ("reserve-float", lambda c, r, x: c.reserve(r, 20.0), TypeError, "total_tokens"),
+    ("reserve-str", lambda c, r, x: c.reserve(r, "20"), TypeError, "total_tokens"),
+    ("reserve-bool", lambda c, r, x: c.reserve(r, True), TypeError, "total_tokens"),
+    ("reserve-not-a-request", lambda c, r, x: c.reserve(object(), 4), TypeError, "req"),
+    ("reserve-aborted", lambda c, r, x: c.reserve(x["aborted"], 20), ValueError, "aborted"),
+    ("reserve-finished", lambda c, r, x: c.reserve(x["finished"], 20), ValueError, "finished"),
+    ("reserve-foreign", lambda c, r, x: c.reserve(x["foreign"], 20), ValueError, "req"),
+    ("computed-beyond-reserved", lambda c, r, x: c.computed(r, 17), ValueError, "n_tokens"),
+    ("computed-backwards", lambda c, r, x: c.computed(r, 4), ValueError, "n_tokens"),
+    ("computed-negative", lambda c, r, x: c.computed(r, -1), ValueError, "n_tokens"),
+    ("computed-float", lambda c, r, x: c.computed(r, 9.0), TypeError, "n_tokens"),
+    ("computed-without-swa-slots", lambda c, r, x: c.computed(r, 12), ValueError, "begin_step"),
+    ("computed-aborted", lambda c, r, x: c.computed(x["aborted"], 8), ValueError, "aborted"),
+    ("begin-step-beyond", lambda c, r, x: c.begin_step(r, 17), ValueError, "end"),
+    ("begin-step-backwards", lambda c, r, x: c.begin_step(r, 3), ValueError, "end"),
+    ("begin-step-str", lambda c, r, x: c.begin_step(r, "12"), TypeError, "end"),
+    ("swa-slots-finished", lambda c, r, x: c.swa_slots(x["finished"]), ValueError, "finished"),
+    ("wait-layer-negative", lambda c, r, x: c.wait_layer(-1), ValueError, "layer"),
+    ("wait-layer-too-big", lambda c, r, x: c.wait_layer(99), ValueError, "layer"),
+    ("wait-layer-str", lambda c, r, x: c.wait_layer("0"), TypeError, "layer"),
+    ("wait-layer-float", lambda c, r, x: c.wait_layer(1.0), TypeError, "layer"),
+    ("wait-layer-bool", lambda c, r, x: c.wait_layer(True), TypeError, "layer"),
+    ("wait-layer-foreign-req", lambda c, r, x: c.wait_layer(0, [x["foreign"]]), ValueError, "req"),
+    ("evict-negative", lambda c, r, x: c.evict(-8), ValueError, "tokens"),
+    ("evict-float", lambda c, r, x: c.evict(1.5), TypeError, "tokens"),
+    ("evict-str", lambda c, r, x: c.evict("8"), TypeError, "tokens"),
+    ("finish-foreign", lambda c, r, x: c.cache_finished_req(x["foreign"]), ValueError, "req"),
+    ("finish-aborted", lambda c, r, x: c.cache_finished_req(x["aborted"]), ValueError, "aborted"),
+    ("finish-twice", lambda c, r, x: c.cache_finished_req(x["finished"]), ValueError, "finished"),
+    ("finish-short-token-ids", lambda c, r, x: (setattr(r, "token_ids", r.token_ids[:5]),
+                                                c.cache_finished_req(r)),
+     ValueError, "token_ids"),
+    ("unfinished-finished", lambda c, r, x: c.cache_unfinished_req(x["finished"]),
+     ValueError, "finished"),
+    ("abort-twice", lambda c, r, x: c.abort(x["aborted"]), ValueError, "aborted"),
+    ("abort-foreign", lambda c, r, x: c.abort(x["foreign"]), ValueError, "req"),
+    ("abort-not-a-request", lambda c, r, x: c.abort("req-1"), TypeError, "req"),
+]
+
+
+@pytest.fixture(scope="module")
+def other_cache():
+    return make_cache()
+
+
+@pytest.mark.parametrize("name, call, exc, pattern", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_refused_call_leaves_books_unchanged(name, call, exc, pattern, other_cache):
+    cache = make_cache()
+    prompt = list(range(1, 11))
+    serve(cache, prompt)  # something cached, pinned by the next match
+    finished = serve(cache, [50, 51, 52, 53, 54])
+    aborted = cache.match([60, 61, 62, 63, 64, 65])
+    cache.abort(aborted)
+    foreign = other_cache.match([1, 2, 3, 4, 5])
+    live = cache.match(prompt + [11, 12])
+    cache.reserve(live, 16)
+    cache.start_loading()
+    step(cache, live, 8)
+    ctx = {"aborted": aborted, "finished": finished, "foreign": foreign}
+    token_ids = list(live.token_ids)
+    before = books(cache)
+    with pytest.raises(exc, match=pattern):
+        call(cache, live, ctx)
+    live.token_ids = token_ids  # the one call that edits the request by hand
+    assert books(cache) == before, f"{name}: a refused call changed the books"
+    cache.check_integrity()
+    # the cache and the live request still work
+    step(cache, live, 12)
+    live.token_ids = prompt + [11, 12]
+    cache.cache_finished_req(live)
+    cache.check_integrity()
+    again = serve(cache, prompt + [11, 12, 13, 14])
+    assert again.device_hit >= 8
+    other_cache.abort(foreign)
+    assert len(BAD_CALLS) >= 40
+
+
+@pytest.mark.parametrize(
+    "convert",
+    [list, tuple, torch.tensor, lambda t: torch.tensor(t, dtype=torch.int32), np.array,
+     lambda t: np.array(t, dtype=np.uint16), lambda t: [np.int64(x) for x in t]],
+    ids=["list", "tuple", "tensor", "int32-tensor", "array", "uint16-array", "numpy-ints"],
+)
+def test_match_accepts_integer_tensors_and_arrays_as_lists(convert):
+    cache = make_cache(("full",))
+    prompt = list(range(1, 14))
+    serve(cache, prompt)
+    want = cache.match(prompt)
+    cache.abort(want)
+    got = cache.match(convert(prompt))
+    assert got.device_hit == want.device_hit == 12
+    assert got.token_ids == prompt and all(type(t) is int for t in got.token_ids)
+    cache.abort(got)
+    cache.check_integrity()
+
+
+def test_reserve_refused_for_capacity_keeps_books():
+    cache = make_cache()
+    serve(cache, list(range(1, 30)))
+    req = cache.match(list(range(1, 30)) + [5])
+    before = books(cache)
+    with pytest.raises(RuntimeError, match="device KV pool exhausted"):
+        cache.reserve(req, 10_000)
+    assert books(cache) == before
+    cache.abort(req)
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("inserts, backed_up", [(1, False), (2, True)])
+def test_selective_backs_up_on_the_second_insert(inserts, backed_up):
+    """``write_through_selective`` counts the insert that creates a node."""
+    cache = make_cache(("full",), policy="write_through_selective")
+    prompt = list(range(1, 18))  # 16 cacheable tokens after 3 generated
+    for _ in range(inserts):
+        serve(cache, prompt, new=3)
+    cache.drain()
+    m = cache.tree.match_prefix(prompt)
+    node = m.best_match_node
+    assert node is not cache.tree.root
+    assert (node.host_value[0] is not None) == backed_up
+    assert cache.controller.stats.backups == (1 if backed_up else 0)
+    cache.check_integrity()
