@@ -39,7 +39,16 @@ _INTERPRETER_LOCK = threading.Lock()
 _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
-@triton.jit
+# Sizes that change from call to call are not specialized (Triton would otherwise compile a
+# variant per value that is 1 or a multiple of 16, on the request path); neither are the index
+# tensors' addresses, which a caller may slice at any offset. What stays specialized is fixed
+# per pool and direction, so a cache compiles every variant it needs in ``warmup``.
+@triton.jit(
+    do_not_specialize=[
+        "dev_idx_ptr", "host_idx_ptr", "n_rows", "layer_start", "n_sel_layers", "n_tiles_r",
+        "num_tiles",
+    ]
+)
 def _kv_copy_kernel(
     dev_ptr,  # word*: the first device tensor; every (buffer, layer) is an offset from it
     table_ptr,  # int64 [B * L]: offset of each (buffer, layer) tensor, in table units
@@ -266,7 +275,9 @@ def _launch(
     block_w = min(item_words & -item_words, tile_words)
     chunks = item_words // block_w
     n_rows = n_tokens * chunks
-    block_r = max(1, min(tile_words // block_w, triton.next_power_of_2(n_rows)))
+    # Rows per tile depend on the item and the knobs only, never on the transfer's size: one
+    # compiled variant per pool and direction (a small transfer masks the rows it lacks).
+    block_r = max(1, tile_words // block_w)
     n_tiles_r = triton.cdiv(n_rows, block_r)
     n_sel = 1 if layer is not None else dev.num_layers
     num_tiles = dev.num_buffers * n_sel * n_tiles_r

@@ -198,6 +198,22 @@ class TieredKVCache:
             self.l3 = L3Tier(self, self.tier_metrics, storage_backend)
         elif storage_backend is not None:
             raise ValueError("storage_backend needs config.storage")
+        if self.device.type == "cuda":
+            self.warmup()
+
+    def warmup(self) -> None:
+        """Compile every copy-kernel variant the cache issues while serving: the backup of each
+        pool and its per-layer load (the kernel specializes on the pool and direction only, not
+        on sizes, layers or index addresses). Runs at construction on CUDA, so that no request
+        waits for a compile; the copies' indices are all ``-1``, so no byte moves."""
+        with nvtx_range("kvtier.warmup"):
+            for b in self.controller.bindings.values():
+                n = 1 if b.name == "mamba" else self.config.page_size
+                skip = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+                b.backup(skip, skip)
+                b.load(skip, skip, 0)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     # -- match and load-back ---------------------------------------------------------------
 
@@ -569,7 +585,7 @@ class TieredKVCache:
 
     def _account_host(self) -> None:
         s = self.controller.stats
-        seen = (s.d2h_bytes, s.d2h_seconds, s.h2d_bytes, s.h2d_seconds)
+        seen = (s.d2h_timed_bytes, s.d2h_seconds, s.h2d_timed_bytes, s.h2d_seconds)
         old, self._host_seen = self._host_seen, seen
         if seen[0] > old[0]:
             self.tier_metrics.add_transfer(Tier.HOST, Direction.WRITE, seen[0] - old[0],
@@ -643,8 +659,12 @@ class TieredKVCache:
             backups=s.backups,
             backups_refused=s.backups_refused,
             loads=s.loads,
-            d2h_gbps=s.d2h_bytes / s.d2h_seconds / 1e9 if s.d2h_seconds else 0.0,
-            h2d_gbps=s.h2d_bytes / s.h2d_seconds / 1e9 if s.h2d_seconds else 0.0,
+            d2h_seconds=s.d2h_seconds,
+            h2d_seconds=s.h2d_seconds,
+            d2h_gbps=s.gbps("d2h"),
+            h2d_gbps=s.gbps("h2d"),
+            d2h_ack_ms_mean=1e3 * s.d2h_ack_seconds / s.d2h_acked if s.d2h_acked else 0.0,
+            h2d_ack_ms_mean=1e3 * s.h2d_ack_seconds / s.h2d_acked if s.h2d_acked else 0.0,
         )
         out.update({f"tier.{k}": v for k, v in self.tier_metrics.snapshot().items()})
         if self.l3 is not None:

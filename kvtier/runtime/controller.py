@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +55,14 @@ class PoolBinding:
 
 @dataclass
 class TransferStats:
-    """Monotonic counters of the copies issued."""
+    """Monotonic counters of the copies issued and acknowledged.
+
+    ``*_seconds`` is the copies' own time: on CUDA, between events recorded on the copy stream
+    right before the first launch and after the last (the stream's idle gaps between launches,
+    if the GPU outruns the launching CPU, are inside); on CPU, the synchronous copy's wall
+    time. ``*_ack_seconds`` is the latency a scheduler sees: from submission to the ``poll``
+    that acknowledged the copy, summed over ``*_acked`` copies.
+    """
 
     d2h_bytes: int = 0
     h2d_bytes: int = 0
@@ -63,6 +71,17 @@ class TransferStats:
     loads: int = 0
     d2h_seconds: float = 0.0
     h2d_seconds: float = 0.0
+    d2h_ack_seconds: float = 0.0
+    h2d_ack_seconds: float = 0.0
+    d2h_acked: int = 0
+    h2d_acked: int = 0
+    d2h_timed_bytes: int = 0
+    h2d_timed_bytes: int = 0
+
+    def gbps(self, direction: str) -> float:
+        """Bytes over the copies' own time (``"d2h"`` or ``"h2d"``); 0 before any was timed."""
+        seconds = getattr(self, f"{direction}_seconds")
+        return getattr(self, f"{direction}_timed_bytes") / seconds / 1e9 if seconds else 0.0
 
 
 @dataclass
@@ -75,6 +94,7 @@ class _Op:
     start: torch.cuda.Event | None = None
     nbytes: int = 0
     layer_events: list[torch.cuda.Event | None] = field(default_factory=list)
+    submitted: float = field(default_factory=time.perf_counter)
 
 
 class CacheController:
@@ -114,6 +134,7 @@ class CacheController:
         self._backups: deque[_Op] = deque()
         self._loads: deque[_Op] = deque()
         self._queued: list[LoadBack] = []
+        self._untimed: deque[_Op] = deque()  # write-back copies, acknowledged at once: timed later
         self._step = 0
         #: called with ``(books, event)`` once a backup's D→H copy is acknowledged (``event``:
         #: its completion event on CUDA, already complete; None on CPU).
@@ -148,13 +169,15 @@ class CacheController:
                 self.write_stream.wait_stream(torch.cuda.current_stream(self.device))
                 ctx = torch.cuda.stream(self.write_stream)
             else:
-                ctx = _null()
+                ctx = nullcontext()
             with ctx:
+                # Indices first, so that the timed span holds the copies alone.
+                idx = [(t, self._to_device(t.device_indices), self._to_device(t.host_indices))
+                       for t in books.transfers]
                 if start is not None:
                     start.record()
-                for t in books.transfers:
+                for t, d, h in idx:
                     b = self.bindings[t.pool]
-                    d, h = self._to_device(t.device_indices), self._to_device(t.host_indices)
                     keep += [d, h]
                     b.backup(d, h)
                     nbytes += t.device_indices.numel() * b.bytes_per_index
@@ -165,6 +188,7 @@ class CacheController:
         self.stats.d2h_bytes += nbytes
         if not self.cuda:  # synchronous copies: the host clock times them
             self.stats.d2h_seconds += time.perf_counter() - t0
+            self.stats.d2h_timed_bytes += nbytes
         if wait:
             # The caller frees the source slots now. Every later use of them is ordered after
             # the copy: compute waits for it here, and loads start after compute. The index
@@ -173,6 +197,7 @@ class CacheController:
                 torch.cuda.current_stream(self.device).wait_event(event)
                 for t in keep:
                     t.record_stream(self.write_stream)
+                self._untimed.append(_Op("backup", books, event, [], self._step, start, nbytes))
             self.tree.finish_backup(books)
             if self.on_backup_done is not None:
                 self.on_backup_done(books, event)
@@ -216,7 +241,7 @@ class CacheController:
             self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
             ctx = torch.cuda.stream(self.load_stream)
         else:
-            ctx = _null()
+            ctx = nullcontext()
         with ctx:
             if start is not None:
                 start.record()
@@ -234,6 +259,7 @@ class CacheController:
         self.stats.h2d_bytes += nbytes
         if not self.cuda:
             self.stats.h2d_seconds += time.perf_counter() - t0
+            self.stats.h2d_timed_bytes += nbytes
         self._loads.append(_Op("load", loads, events[-1] if events else None, keep, self._step,
                                start, nbytes, events))
         return True
@@ -294,17 +320,34 @@ class CacheController:
             self._account(op, "h2d")
             for lb in op.books:
                 self.tree.finish_load_back(lb)
+        while self._untimed and self._untimed[0].event.query():
+            self._time(self._untimed.popleft(), "d2h")
         return n_backup, n_load
 
     def _account(self, op: _Op, direction: str) -> None:
+        """An acknowledged copy: its submit-to-ack latency and (on CUDA) its own time."""
+        st = self.stats
+        latency = time.perf_counter() - op.submitted
+        if direction == "d2h":
+            st.d2h_ack_seconds += latency
+            st.d2h_acked += 1
+        else:
+            st.h2d_ack_seconds += latency
+            st.h2d_acked += 1
+        self._time(op, direction)
+
+    def _time(self, op: _Op, direction: str) -> None:
         if op.event is None or op.start is None:
-            return
+            return  # CPU: timed when issued
         op.event.synchronize()
         seconds = op.start.elapsed_time(op.event) / 1e3
+        st = self.stats
         if direction == "d2h":
-            self.stats.d2h_seconds += seconds
+            st.d2h_seconds += seconds
+            st.d2h_timed_bytes += op.nbytes
         else:
-            self.stats.h2d_seconds += seconds
+            st.h2d_seconds += seconds
+            st.h2d_timed_bytes += op.nbytes
 
     def drain(self) -> None:
         """Wait for every issued copy and acknowledge it (shutdown, tests).
@@ -330,10 +373,3 @@ class CacheController:
     def in_flight(self) -> int:
         return len(self._backups) + len(self._loads) + len(self._queued)
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
