@@ -6,12 +6,21 @@ turns each into an object name with the pool suffix and, for sharded caches, the
 (``keys.KeyScope``). A host page is a 1-D uint8 CPU tensor, or a list of them whose
 concatenation is the page object (a page_first pool's K range and V range), normally zero-copy
 views into the pinned host pool (``HostPool.page_views``).
+
+The public entry points (``exists``, ``get``, ``set``) validate every key before a backend sees
+it, so no backend ever turns a caller's string into a path or an object name unchecked. A page
+hash must be 64 lowercase hex characters, and the object name built from it must have the form
+``keys.KeyScope`` gives (``validate_key``). A malformed key fails its own page only, the way a
+miss does: ``exists`` counts it absent, ``get``/``set`` report it ``False`` and count it in
+``StorageMetrics.add_failed_pages``; the batch's other pages are unaffected. Misuse of a whole
+call (a bad pool name, ``keys`` given as one string, mismatched page buffers) raises.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -25,6 +34,8 @@ from kvtier.storage.metrics import Direction, StorageMetrics, Tier
 
 __all__ = [
     "ALL_PAGES",
+    "MAX_KEY_LENGTH",
+    "MAX_POOL_LENGTH",
     "TRAILING_PAGES",
     "BatchResult",
     "HitPolicy",
@@ -34,6 +45,7 @@ __all__ = [
     "create_backend",
     "register_backend",
     "usable_prefix",
+    "validate_key",
 ]
 
 log = logging.getLogger(__name__)
@@ -41,6 +53,67 @@ log = logging.getLogger(__name__)
 Page = torch.Tensor | Sequence[torch.Tensor]
 """One host page: a 1-D uint8 tensor, or the parts whose concatenation is the page object."""
 Parts = tuple[torch.Tensor, ...]
+
+MAX_POOL_LENGTH = 64
+"""Longest pool name a transfer may use."""
+MAX_KEY_LENGTH = 160
+"""Longest object name: a 64-char hash, a pool name of ``MAX_POOL_LENGTH``, a rank, with room to
+spare; a backend's own decorations (the file store's suffix and temp-file tag) must still fit
+a 255-byte file name."""
+
+_PAGE_HASH = re.compile(r"[0-9a-f]{64}")
+_OBJECT_KEY = re.compile(r"[0-9a-f]{64}\.[a-z0-9_]+(?:\.r(?:0|[1-9][0-9]*))?")
+
+
+def _shown(key: object) -> str:
+    """``repr(key)``, cut short so that a huge key cannot flood a message or a log line."""
+    text = repr(key)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _key_problem(key: object) -> str | None:
+    """Why ``key`` is not a valid object name, or None if it is one."""
+    if isinstance(key, str) and len(key) <= MAX_KEY_LENGTH and _OBJECT_KEY.fullmatch(key):
+        return None  # the format alone rules out separators, NUL and "..": the common case
+    if not isinstance(key, str):
+        return f"must be a str, got {type(key).__name__}"
+    if not key:
+        return "is empty"
+    if len(key) > MAX_KEY_LENGTH:
+        return f"is {len(key)} chars long, more than {MAX_KEY_LENGTH}"
+    if "\0" in key:
+        return "contains NUL"
+    if "/" in key or "\\" in key:
+        return "contains a path separator"
+    if ".." in key:
+        return "contains '..'"
+    return "is not '<64 lowercase hex>.<pool>' or '<64 lowercase hex>.<pool>.r<rank>'"
+
+
+def _hash_problem(page_hash: object) -> str | None:
+    """Why ``page_hash`` is not a page hash, or None if it is one.
+
+    Checked before the pool suffix is added: a "hash" that carries a suffix of its own could
+    otherwise name another pool's object (``<hash>.kv`` in pool ``r0`` gives ``<hash>.kv.r0``).
+    """
+    if not isinstance(page_hash, str):
+        return f"must be a str, got {type(page_hash).__name__}"
+    if not _PAGE_HASH.fullmatch(page_hash):
+        return "is not a page hash (64 lowercase hex chars)"
+    return None
+
+
+def validate_key(key: object) -> str:
+    """``key`` itself if it is a valid object name (``<hash>.<pool>`` or ``<hash>.<pool>.r<rank>``,
+    at most ``MAX_KEY_LENGTH`` chars); else ``TypeError`` (not a str) or ``ValueError``, naming it.
+
+    Such a name is one plain file name: no path separator, NUL, ``..`` or upper case.
+    """
+    problem = _key_problem(key)
+    if problem is not None:
+        error = ValueError if isinstance(key, str) else TypeError
+        raise error(f"key {_shown(key)} {problem}")
+    return key  # type: ignore[return-value]  # a str, checked above
 
 
 @dataclass(frozen=True)
@@ -197,7 +270,7 @@ class StorageBackend(ABC):
         """Usable prefix length in pages: the minimum over pools under their hit policies.
 
         Every transfer lists the same number of page hashes (the candidate prefix). A store error
-        counts as absence.
+        or a malformed key counts as absence.
         """
         self._check_pools(transfers)
         if not transfers:
@@ -207,17 +280,14 @@ class StorageBackend(ABC):
             raise ValueError(
                 f"exists needs the same page count in every pool, got {sorted(lengths)}"
             )
-        names = [self.scope.object_keys(t.keys, t.pool) for t in transfers]
-        flat = [k for keys in names for k in keys]
+        names = [self._object_keys(t) for t in transfers]
+        flat = [k for keys in names for k in keys if k is not None]
         try:
-            found = self._contains(flat)
+            found = iter(self._contains(flat) if flat else [])
         except Exception:
             log.exception("%s: exists failed for %d objects", self.name, len(flat))
             return 0
-        present, start = [], 0
-        for keys in names:
-            present.append(found[start : start + len(keys)])
-            start += len(keys)
+        present = [[k is not None and bool(next(found)) for k in keys] for keys in names]
         return usable_prefix(present, [t.policy for t in transfers])
 
     def get(self, transfers: Sequence[PoolTransfer]) -> BatchResult:
@@ -232,25 +302,60 @@ class StorageBackend(ABC):
         """Store every listed page buffer; per-page success. Existing keys are not rewritten."""
         if not self.scope.writes:
             self._check_pages(transfers)
-            return BatchResult({t.pool: [True] * len(t.keys) for t in transfers})
+            ok = {t.pool: [k is not None for k in self._object_keys(t)] for t in transfers}
+            failed = sum(len(flags) - sum(flags) for flags in ok.values())
+            if failed:
+                self.metrics.add_failed_pages(Direction.WRITE, failed)
+            return BatchResult(ok)
         return self._move(transfers, Direction.WRITE)
 
     # -- shared plumbing ---------------------------------------------------------------------------
 
+    def _object_keys(self, t: PoolTransfer) -> list[str | None]:
+        """The object name of each page of ``t``; None for a page whose key is malformed."""
+        hashes = list(t.keys)
+        good = [i for i, h in enumerate(hashes) if _hash_problem(h) is None]
+        out: list[str | None] = [None] * len(hashes)
+        for i, key in zip(good, self.scope.object_keys([hashes[i] for i in good], t.pool)):
+            # A valid hash and pool always give a valid name; checked all the same, because this
+            # is the one gate between a caller's strings and a backend's paths and object names.
+            out[i] = key if _key_problem(key) is None else None
+        if len(good) < len(hashes):
+            i = next(i for i, k in enumerate(out) if k is None)
+            problem = _hash_problem(hashes[i]) or "gives a malformed object name"
+            log.warning(
+                "%s: pool %r: %d of %d keys refused, e.g. page %d: key %s %s",
+                self.name,
+                t.pool,
+                out.count(None),
+                len(hashes),
+                i,
+                _shown(hashes[i]),
+                problem,
+            )
+        return out
+
     def _move(self, transfers: Sequence[PoolTransfer], direction: Direction) -> BatchResult:
         pages = self._check_pages(transfers)
-        keys: list[str] = []
-        for t in transfers:
-            keys += self.scope.object_keys(t.keys, t.pool)
+        names = [k for t in transfers for k in self._object_keys(t)]
         self._check_buffers(pages)
+        todo = [i for i, k in enumerate(names) if k is not None]
+        keys = [names[i] for i in todo]
+        some = [pages[i] for i in todo]
         start = time.perf_counter()
+        done = [False] * len(names)
         try:
-            done = (
-                self._read(keys, pages) if direction is Direction.READ else self._write(keys, pages)
-            )
+            if todo:
+                moved_ok = (
+                    self._read(keys, some)
+                    if direction is Direction.READ
+                    else self._write(keys, some)
+                )
+                for i, ok in zip(todo, moved_ok):
+                    done[i] = bool(ok)
         except Exception:
             log.exception("%s: %s of %d pages failed", self.name, direction.value, len(keys))
-            done = [False] * len(keys)
+            done = [False] * len(names)
         seconds = time.perf_counter() - start
         moved = sum(part.numel() for parts, ok in zip(pages, done) if ok for part in parts)
         self.metrics.add_transfer(Tier.STORAGE, direction, moved, seconds)
@@ -269,6 +374,16 @@ class StorageBackend(ABC):
         pools = [t.pool for t in transfers]
         if len(set(pools)) != len(pools):
             raise ValueError(f"one transfer per pool per call, got pools {pools}")
+        for t in transfers:
+            if isinstance(t.pool, str) and len(t.pool) > MAX_POOL_LENGTH:
+                raise ValueError(
+                    f"pool name must be at most {MAX_POOL_LENGTH} chars, got {_shown(t.pool)}"
+                )
+            if isinstance(t.keys, (str, bytes)):
+                raise TypeError(
+                    f"pool {t.pool!r}: keys must be a sequence of page hashes, got one "
+                    f"{type(t.keys).__name__} {_shown(t.keys)}"
+                )
 
     @classmethod
     def _check_pages(cls, transfers: Sequence[PoolTransfer]) -> list[Parts]:
@@ -290,8 +405,11 @@ class StorageBackend(ABC):
                         or not p.is_contiguous()
                         or p.is_cuda
                     ):
-                        got = (f"{p.dtype} shape {tuple(p.shape)} on {p.device}"
-                               if isinstance(p, torch.Tensor) else type(p).__name__)
+                        got = (
+                            f"{p.dtype} shape {tuple(p.shape)} on {p.device}"
+                            if isinstance(p, torch.Tensor)
+                            else type(p).__name__
+                        )
                         raise ValueError(
                             f"pool {t.pool!r} page {i}: need 1-D contiguous uint8 CPU tensors, "
                             f"got {got}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -114,9 +115,11 @@ def test_index_rebuilt_at_startup(root: Path) -> None:
     h = page_hashes(range(16), NS)
     src = pages(4, 4)
     b.set([PoolTransfer("kv", h, src)])
-    (root / f"{h[0]}.kv.r0.kvp.123-4-5.tmp").write_bytes(b"partial")
+    stale = root / f"{h[0]}.kv.r0.kvp.123-4-5.tmp"  # a writer's, crashed two hours ago
+    stale.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
     (root / "README").write_text("not a page")
-    again = create_backend("file", root=root)
+    again = create_backend("file", root=root, stale_tmp_s=3600)
     assert again.exists([PoolTransfer("kv", h)]) == 4
     assert not any(f.endswith(".tmp") for f in files(root)), "stale temp files are deleted"
     assert "README" in files(root)
