@@ -12,6 +12,9 @@ keeps a warm working set small.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 import torch
 
@@ -43,6 +46,7 @@ class PageAllocator:
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = self.num_pages
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self._batch: list[torch.Tensor] | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -97,21 +101,46 @@ class PageAllocator:
         if p.min() < 0 or p.max() >= self.num_pages:
             bad = int(p[(p < 0) | (p >= self.num_pages)][0])
             raise ValueError(f"{self.name}: free of page {bad} outside [0, {self.num_pages})")
-        if np.unique(p).size != p.size:
-            raise ValueError(f"{self.name}: free lists a page more than once (double free)")
         not_owned = ~self._in_use[p]
         if not_owned.any():
             raise ValueError(
                 f"{self.name}: free of page {int(p[not_owned][0])} that is not allocated "
                 "(double free, or never handed out)"
             )
+        # A repeated page flips its bit once: fewer bits flip than pages were listed (a count
+        # over the bitmap is cheaper than sorting the batch).
+        in_use = self.num_pages - self._num_free
         self._in_use[p] = False
+        if in_use - int(np.count_nonzero(self._in_use)) != p.size:
+            self._in_use[p] = True
+            raise ValueError(f"{self.name}: free lists a page more than once (double free)")
         self._free[self._num_free : self._num_free + p.size] = p
         self._num_free += p.size
 
     def free(self, slots: torch.Tensor) -> None:
-        """Give back token slots; they must cover whole pages (page-aligned runs)."""
+        """Give back token slots; they must cover whole pages (page-aligned runs).
+
+        Inside ``batched_free`` the slots are freed when the batch closes."""
+        if self._batch is not None:
+            self._batch.append(slots)
+            return
         self.free_pages(self.slots_to_pages(slots))
+
+    @contextmanager
+    def batched_free(self) -> Iterator[None]:
+        """Collect every ``free`` made inside, and free them in one call at the end (with the
+        same checks, over the whole batch): an eviction that drops many nodes pays the
+        per-call cost once. Nothing may allocate from the pool inside."""
+        if self._batch is not None:  # nested: the outer batch frees
+            yield
+            return
+        self._batch = batch = []
+        try:
+            yield
+        finally:
+            self._batch = None
+            if batch:
+                self.free(batch[0] if len(batch) == 1 else torch.cat(batch))
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -194,6 +223,7 @@ class SWAPageAllocator:
         self.page_size = page_size
         self.name = name
         self._page_map = np.full(self.full.num_pages, -1, dtype=np.int64)
+        self._batch: list[torch.Tensor] | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -266,8 +296,27 @@ class SWAPageAllocator:
         self._page_map[pages[mapped]] = -1
         return int(mapped.sum()) * self.page_size
 
+    @contextmanager
+    def batched_free(self) -> Iterator[None]:
+        """``PageAllocator.batched_free`` for the full slots (and the SWA slots they map)."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = batch = []
+        try:
+            yield
+        finally:
+            self._batch = None
+            if batch:
+                self.free(batch[0] if len(batch) == 1 else torch.cat(batch))
+
     def free(self, full_slots: torch.Tensor) -> None:
-        """Free full slots and any SWA slots they map. Raises before freeing anything on a double free."""
+        """Free full slots and any SWA slots they map. Raises before freeing anything on a double
+        free. Inside ``batched_free`` they are freed when the batch closes (their SWA slots are
+        still mapped until then)."""
+        if self._batch is not None:
+            self._batch.append(full_slots)
+            return
         pages = self.full.slots_to_pages(full_slots).numpy()
         if pages.size and not self.full._in_use[pages].all():
             self.full.free_pages(torch.from_numpy(pages))  # raises with the offending page

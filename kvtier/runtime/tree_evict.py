@@ -21,6 +21,7 @@ a deleted node is always a leaf, so no upward cleanup pass is needed.
 from __future__ import annotations
 
 import heapq
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 from kvtier.runtime.tree_types import EvictResult, TreeIntegrityError
@@ -45,12 +46,13 @@ class EvictionMixin:
             device amounts freed per component (demoted data counts as freed).
         """
         freed = [0] * len(self.components)
-        if full > 0:
-            self._evict_full_device(full, freed)
-        if swa > 0 and self.swa is not None:
-            self._evict_aux_device(self.swa, swa, freed)
-        if mamba > 0 and self.mamba is not None:
-            self._evict_aux_device(self.mamba, mamba, freed)
+        with self.full.device_alloc.batched_free():
+            if full > 0:
+                self._evict_full_device(full, freed)
+            if swa > 0 and self.swa is not None:
+                self._evict_aux_device(self.swa, swa, freed)
+            if mamba > 0 and self.mamba is not None:
+                self._evict_aux_device(self.mamba, mamba, freed)
         return self._evict_result(freed)
 
     def evict_host(
@@ -58,13 +60,19 @@ class EvictionMixin:
     ) -> EvictResult:
         """Free at least the requested host amounts where unpinned host data allows."""
         freed = [0] * len(self.components)
+        with self.full.host_alloc.batched_free() if self.full.host_alloc else nullcontext():
+            self._evict_host_tiers(full, swa, mamba, freed)
+        return self._evict_result(freed)
+
+    def _evict_host_tiers(
+        self: UnifiedRadixTree, full: int, swa: int, mamba: int, freed: list[int]
+    ) -> None:
         if full > 0:
             self._evict_full_host(full, freed)
         if swa > 0 and self.swa is not None:
             self._evict_aux_host(self.swa, swa, freed)
         if mamba > 0 and self.mamba is not None:
             self._evict_aux_host(self.mamba, mamba, freed)
-        return self._evict_result(freed)
 
     def _evict_result(self: UnifiedRadixTree, freed: list[int]) -> EvictResult:
         swa = freed[self.swa.slot] if self.swa is not None else 0
