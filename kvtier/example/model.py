@@ -1,10 +1,11 @@
 """The example hybrid decoder: paged full/SWA attention and a Mamba-like layer over kvtier pools.
 
 ``forward`` runs layer by layer (so a cache can load layer ``l`` while layer ``l - 1`` computes)
-and, inside a layer, token by token: every token goes through the same fixed-shape kernels
-whether it is computed in a cold run, in a long prefill or in a one-token decode step, so what
-it writes to the pools and its logits are bitwise the same however a sequence is split into
-calls and wherever its prefix came from.
+and, inside a layer, the whole chunk at once, as a serving engine's prefill does: one projection,
+one rotation, one K/V scatter into the pool and one masked attention over [cached context +
+chunk]; a decode step is a chunk of one. Each position's outputs are bitwise the same however the
+positions are grouped into calls (see :mod:`kvtier.example.layers` for how), so what a position
+writes to the pools and its logits do not depend on where its prefix came from.
 
 Slot rows, for one request (``P = start_pos``, ``n = len(token_ids)``)::
 
@@ -20,7 +21,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from kvtier.example.config import HybridModelConfig
 from kvtier.example.layers import (
@@ -29,9 +29,11 @@ from kvtier.example.layers import (
     attend,
     attention_qkv,
     init_weights,
-    mamba_step,
+    linear,
+    mamba_mix,
     mlp,
     rms_norm,
+    rope_cos_sin,
 )
 from kvtier.example.pools import ModelPools
 from kvtier.runtime.device_pool import MHADevicePool
@@ -46,6 +48,38 @@ class Generation(NamedTuple):
     logits: torch.Tensor
 
 
+class _KeyPlan(NamedTuple):
+    """Which pool slots an attention layer reads for a chunk: ``slots [B, S]`` (``B`` is 1 when
+    all queries share the keys), ``visible [M, S]``. Hidden entries point at a slot the chunk
+    just wrote, so they are read but weigh exactly zero; no entry is ever -1."""
+
+    slots: torch.Tensor
+    visible: torch.Tensor
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _full_keys(row: torch.Tensor, positions: torch.Tensor) -> _KeyPlan:
+    """Key ``j`` is position ``j`` for every query, so a key's place on the axis (and with it the
+    summation tree) never depends on the chunk; the axis is padded to a power of two with hidden
+    keys so that it grows only at doublings."""
+    end = row.numel()
+    j = torch.arange(_pow2(end), device=row.device)
+    return _KeyPlan(row[j.clamp(max=end - 1)][None], j[None] <= positions[:, None])
+
+
+def _window_keys(row: torch.Tensor, positions: torch.Tensor, window: int) -> _KeyPlan:
+    """Key ``o`` of query ``t`` is position ``t - S + 1 + o`` (``S = pow2(window)``): the last
+    ``window`` of them are visible (those at positions >= 0), the earlier ones hidden."""
+    width = _pow2(window)
+    t = positions[:, None]
+    pos = t - (width - 1) + torch.arange(width, device=row.device)  # [M, S]
+    visible = (pos > t - window) & (pos >= 0)
+    return _KeyPlan(torch.where(visible, row[pos.clamp(min=0)], row[t]), visible)
+
+
 def _slot_row(name: str, row: torch.Tensor | None, lo: int, end: int, size: int) -> torch.Tensor:
     """Check that ``row[lo:end]`` are slots of a ``size``-slot pool; return ``row[:end]``."""
     if not isinstance(row, torch.Tensor) or row.dtype != torch.int64 or row.dim() != 1:
@@ -54,8 +88,13 @@ def _slot_row(name: str, row: torch.Tensor | None, lo: int, end: int, size: int)
     if row.numel() < end:
         raise ValueError(f"{name}: {row.numel()} slots for positions [0, {end})")
     used = row[lo:end]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= size):
-        raise ValueError(f"{name}: slots of positions [{lo}, {end}) must lie in [0, {size})")
+    bad = ((used < 0) | (used >= size)).nonzero()
+    if bad.numel():  # checked here so that no slot, -1 least of all, ever indexes a pool
+        i = int(bad[0])
+        raise ValueError(
+            f"{name}: slots of positions [{lo}, {end}) must lie in [0, {size}) (the new tokens "
+            f"read them); position {lo + i} has slot {int(used[i])}"
+        )
     return row[:end]
 
 
@@ -128,7 +167,12 @@ class HybridModel:
             swa = _slot_row("swa_slots", swa_slots, lo, end, pools.swa_pool.size).to(self.device)
         checkpoints = self._check_mamba(mamba_slot, mamba_checkpoints, start_pos, end, pools)
 
-        hs = [self.embed[t].clone() for t in token_ids]  # [hidden] each, fresh allocations
+        positions = torch.arange(start_pos, end, device=self.device)
+        cos, sin = rope_cos_sin(positions, c)
+        plans = {"full": _full_keys(full, positions)}
+        if swa is not None:
+            plans["swa"] = _window_keys(swa, positions, c.swa_window)
+        h = self.embed[torch.tensor(list(token_ids), device=self.device)]  # [n, hidden]
         for layer, kind in enumerate(c.layer_kinds):
             if wait_layer is not None:
                 wait_layer(layer)
@@ -136,66 +180,59 @@ class HybridModel:
             idx = c.pool_layer(layer)[1]
             if kind == "mamba":
                 assert isinstance(mixer, MambaWeights)
-                self._mamba_layer(hs, start_pos, mixer, idx, pools, mamba_slot, checkpoints)
+                h = self._mamba_layer(h, start_pos, mixer, idx, pools, mamba_slot, checkpoints)
             else:
                 assert isinstance(mixer, AttentionWeights)
-                pool, row, window = (
-                    (pools.full_pool, full, end)
-                    if kind == "full"
-                    else (pools.swa_pool, swa, c.swa_window)
-                )
-                self._attention_layer(hs, start_pos, mixer, pool, idx, row, window)
-            hs = [mlp(h, mlp_w) for h in hs]
-        return torch.stack([F.linear(rms_norm(h, self.final_norm), self.lm_head) for h in hs])
+                pool = pools.full_pool if kind == "full" else pools.swa_pool
+                new_slots = (full if kind == "full" else swa)[start_pos:]
+                h = self._attention_layer(h, cos, sin, mixer, pool, idx, new_slots, plans[kind])
+            h = mlp(h, mlp_w)
+        return linear(rms_norm(h, self.final_norm), self.lm_head)
 
     def _attention_layer(
         self,
-        hs: list[torch.Tensor],
-        start_pos: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
         w: AttentionWeights,
         pool: MHADevicePool,
         layer: int,
-        row: torch.Tensor,
-        window: int,
-    ) -> None:
-        """Write each new token's K/V at its slot, then attend over the last ``window`` positions
-        read back from the pool (so fresh and cached positions look alike)."""
-        c = self.config
+        new_slots: torch.Tensor,
+        keys: _KeyPlan,
+    ) -> torch.Tensor:
+        """Write the chunk's K/V at ``new_slots``, then attend over the keys of ``keys`` read back
+        from the pool (so fresh and cached positions look alike)."""
         k_buf, v_buf = pool.k(layer), pool.v(layer)
-        new_slots = row[start_pos:].tolist()
-        for i, h in enumerate(hs):
-            pos = start_pos + i
-            q, k, v = attention_qkv(h, pos, w, c.kv_heads, c.head_dim)
-            k_buf[new_slots[i]] = k.to(k_buf.dtype)
-            v_buf[new_slots[i]] = v.to(v_buf.dtype)
-            seen = row[max(0, pos - window + 1) : pos + 1]
-            keys = k_buf.index_select(0, seen).float()
-            values = v_buf.index_select(0, seen).float()
-            hs[i] = h + F.linear(attend(q, keys, values), w.wo)
+        q, k, v = attention_qkv(h, cos, sin, w, self.config)
+        k_buf[new_slots] = k.to(k_buf.dtype)
+        v_buf[new_slots] = v.to(v_buf.dtype)
+        out = attend(q, k_buf[keys.slots].float(), v_buf[keys.slots].float(), keys.visible)
+        return h + linear(out, w.wo)
 
     def _mamba_layer(
         self,
-        hs: list[torch.Tensor],
+        h: torch.Tensor,
         start_pos: int,
         w: MambaWeights,
         layer: int,
         pools: ModelPools,
         slot: int,
         checkpoints: Mapping[int, int],
-    ) -> None:
-        """Run the recurrence over the new tokens from the slot's state; store it back."""
+    ) -> torch.Tensor:
+        """Run the chunk from the slot's state; store the state after it (and at checkpoints)."""
         pool = pools.mamba_pool
         temporal, conv_buf = pool.temporal[layer], pool.convs[0][layer]
         if start_pos == 0:
             state, conv = torch.zeros_like(temporal[slot]), torch.zeros_like(conv_buf[slot])
         else:
-            state, conv = temporal[slot].clone(), conv_buf[slot].clone()
-        for i, h in enumerate(hs):
-            hs[i], conv, state = mamba_step(h, w, conv, state)
-            dst = checkpoints.get(start_pos + i + 1)
-            if dst is not None:
-                temporal[dst], conv_buf[dst] = state, conv
-        temporal[slot], conv_buf[slot] = state, conv
+            state, conv = temporal[slot], conv_buf[slot]
+        h, inputs, states = mamba_mix(h, w, conv, state)
+        taps = conv_buf.shape[-1]
+        for seqlen, dst in checkpoints.items():
+            i = seqlen - start_pos
+            temporal[dst], conv_buf[dst] = states[i - 1], inputs[i : i + taps].t()
+        temporal[slot], conv_buf[slot] = states[-1], inputs[-taps:].t()
+        return h
 
     def _check_args(self, token_ids: Sequence[int], start_pos: int, pools: ModelPools) -> None:
         if len(token_ids) == 0:
