@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 
 __all__ = ["main"]
 
@@ -22,6 +23,27 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _load_layers(host, hslots, dst, layers: int) -> None:
+    for layer in range(layers):
+        host.load(hslots, dst, layer=layer)
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls, after one untimed warm-up call
+    (which pays for Triton's compile and autotuning and for first-touch page faults)."""
+    import statistics
+
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def roundtrip(args: argparse.Namespace) -> int:
     import torch
 
@@ -29,6 +51,8 @@ def roundtrip(args: argparse.Namespace) -> int:
     from kvtier.runtime.device_pool import MHADevicePool
     from kvtier.runtime.host_pool import HostPool
 
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     P, L, H, D = args.page_size, args.layers, args.kv_heads, args.head_dim
     pool = MHADevicePool(L, args.tokens * 2, H, D, dtype=torch.bfloat16, device=device, page_size=P)
@@ -38,8 +62,11 @@ def roundtrip(args: argparse.Namespace) -> int:
             torch.randint(-(2**15), 2**15, buf.shape, dtype=torch.int16, generator=gen)
         )
     print(
-        f"kvtier demo: MHA pool {L} layers x {H} kv heads x {D} head_dim bf16, page {P}, "
-        f"{args.tokens} tokens per round trip, device {device}"
+        f"kvtier roundtrip: MHA pool {L} layers x {H} kv heads x {D} head_dim bf16, page {P}, "
+        f"{args.tokens} tokens per round trip, device {device}\n"
+        f"  GB/s = bytes of all layers / median wall time of {args.repeats} timed calls, after "
+        "one untimed warm-up call per path\n"
+        "  (D->H: one backup launch over all layers; H->D: one load launch per layer)"
     )
     ok = True
     for layout in HostLayout:
@@ -48,23 +75,17 @@ def roundtrip(args: argparse.Namespace) -> int:
         dst = pool.allocator.alloc(args.tokens).to(device)
         hslots = host.allocator.alloc(args.tokens).to(device)
         nbytes = args.tokens * pool.bytes_per_token
-        _sync(device)
-        t0 = time.perf_counter()
         path = host.backup(src, hslots)
-        _sync(device)
-        t1 = time.perf_counter()
-        for layer in range(L):
-            host.load(hslots, dst, layer=layer)
-        _sync(device)
-        t2 = time.perf_counter()
+        d2h = _timed(partial(host.backup, src, hslots), device, args.repeats)
+        h2d = _timed(partial(_load_layers, host, hslots, dst, L), device, args.repeats)
         same = all(
             torch.equal(buf[:, src].view(torch.int16), buf[:, dst].view(torch.int16))
             for buf in (pool.k_buffer, pool.v_buffer)
         )
         ok &= same
         print(
-            f"  {layout.value:18s} D->H {nbytes / 2**20:8.1f} MiB {nbytes / (t1 - t0) / 1e9:7.2f} GB/s | "
-            f"H->D layer by layer {nbytes / (t2 - t1) / 1e9:7.2f} GB/s | path {path} | "
+            f"  {layout.value:18s} D->H {nbytes / 2**20:8.1f} MiB {nbytes / d2h / 1e9:7.2f} GB/s | "
+            f"H->D layer by layer {nbytes / h2d / 1e9:7.2f} GB/s | path {path} | "
             f"identical: {'yes' if same else 'NO'}"
         )
         pool.allocator.free(src.cpu())
@@ -82,10 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="multi-user chat through the tiered cache vs a cold run")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    demo.add_argument("--users", type=int, default=8)
-    demo.add_argument("--turns", type=int, default=4)
-    demo.add_argument("--write-policy", default="write_through",
-                      choices=["write_through", "write_through_selective", "write_back"])
+    # None: the demo's own defaults (kvtier.example.demo.DemoConfig)
+    demo.add_argument("--users", type=int, default=None)
+    demo.add_argument("--turns", type=int, default=None)
+    demo.add_argument(
+        "--host-ratio", type=float, default=None, help="host pool size over the device pool's"
+    )
+    demo.add_argument(
+        "--write-policy",
+        default=None,
+        choices=["write_through", "write_through_selective", "write_back"],
+    )
+    demo.add_argument("--seed", type=int, default=None)
     demo.add_argument("--no-progress", action="store_true")
     demo.add_argument("--no-l3", action="store_true", help="run without the L3 file store")
     d = sub.add_parser("roundtrip", help="D->H->D round trip through every host layout")
@@ -95,18 +124,23 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--head-dim", type=int, default=128)
     d.add_argument("--page-size", type=int, default=16)
     d.add_argument("--tokens", type=int, default=4096)
+    d.add_argument("--repeats", type=int, default=5, help="timed calls per path (median)")
     args = ap.parse_args(argv)
     if args.cmd == "demo":
         import torch
 
-        from kvtier.example.demo import run_demo
+        from kvtier.example.demo import DemoConfig, run_demo
 
         # The example model's ops are tiny: intra-op threads cost more than they give, and on a
         # busy machine they thrash (8 ms instead of 60 us per attention call on 2 cores).
         torch.set_num_threads(1)
 
-        res = run_demo(args.users, args.turns, device=args.device, write_policy=args.write_policy,
-                       progress=not args.no_progress, l3=not args.no_l3)
+        given = {
+            k: getattr(args, k)
+            for k in ("users", "turns", "host_ratio", "write_policy", "seed", "device")
+        }
+        config = DemoConfig(l3=not args.no_l3, **{k: v for k, v in given.items() if v is not None})
+        res = run_demo(config, progress=not args.no_progress)
         return 0 if res.identical else 1
     if args.cmd == "roundtrip":
         return roundtrip(args)

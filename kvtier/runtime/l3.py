@@ -106,13 +106,18 @@ class L3Tier:
         if cache.host_mamba is not None:
             self.pools["mamba"] = L3Pool("mamba", cache.host_mamba, P, B)
         self.W = math.ceil(cfg.swa_window / P) if cache.host_swa is not None else 0
+        # Pools that need only some pages of a prefix (SWA's window, Mamba's last page).
+        self._trailing = cache.host_swa is not None or cache.host_mamba is not None
         if self.W > B:
-            raise ValueError(f"storage.batch_pages={B} is smaller than the SWA window of {self.W} pages")
+            raise ValueError(
+                f"storage.batch_pages={B} is smaller than the SWA window of {self.W} pages"
+            )
         for pool in self.pools.values():
             backend.register_host_buffer(pool.region())
             pool.register.append(backend.register_host_buffer)
-        self.writer = BackupWriter(backend, self.pools, st.backup_retries, self.metrics,
-                                   backend.scope.writes)
+        self.writer = BackupWriter(
+            backend, self.pools, st.backup_retries, self.metrics, backend.scope.writes
+        )
         self.workers = PrefetchWorkers(backend, self.pools, self.W)
         self.threshold_pages = max(1, math.ceil(st.prefetch_min_tokens / P))
         self.counters: Counter[str] = Counter()
@@ -186,8 +191,11 @@ class L3Tier:
 
     def _add_pages(self, pages, pool: str, hashes: list[str], slots: torch.Tensor) -> bool:
         ids = self.pools[pool].pages_of(slots)
-        keep = [i for i, h in enumerate(hashes) if (pool, h) not in self._stored
-                and (pool, h) not in self._pending]
+        keep = [
+            i
+            for i, h in enumerate(hashes)
+            if (pool, h) not in self._stored and (pool, h) not in self._pending
+        ]
         if not keep:
             return False
         hs, chunks = pages.setdefault(pool, ([], []))
@@ -236,8 +244,10 @@ class L3Tier:
         prev = self.node_hashes(anchor)[-1] if anchor.parent is not None else None
         hashes = page_hashes(key, self.namespace(namespace), prev)
         pin = self.tree.pin_host(anchor) if anchor.parent is not None else None
-        timeout = (self.st.prefetch_timeout_base_s
-                   + self.st.prefetch_timeout_per_ki_token_s * len(key) / 1024)
+        timeout = (
+            self.st.prefetch_timeout_base_s
+            + self.st.prefetch_timeout_per_ki_token_s * len(key) / 1024
+        )
         op = Prefetch(anchor, pin, namespace, key, hashes, timeout)
         self.inflight_tokens += len(key)
         self._querying.append(op)
@@ -265,8 +275,10 @@ class L3Tier:
 
     def local_votes(self) -> torch.Tensor:
         """This rank's values for the agreed vector (see the module docstring)."""
-        v = [_ready(self._backups, lambda j: j.done.is_set()),
-             _ready(self._draining, lambda op: op.io_done.is_set())]
+        v = [
+            _ready(self._backups, lambda j: j.done.is_set()),
+            _ready(self._draining, lambda op: op.io_done.is_set()),
+        ]
         queries = list(self._querying)[:QUERY_SLOTS]
         loads = list(self._loading)[:VOTE_SLOTS]
         self._voted = (queries, loads)
@@ -316,8 +328,12 @@ class L3Tier:
 
     def wait_some(self, timeout: float) -> None:
         """Block until the oldest outstanding background step finishes, or ``timeout``."""
-        for q, ev in ((self._backups, "done"), (self._draining, "io_done"),
-                      (self._querying, "query_done"), (self._loading, "io_done")):
+        for q, ev in (
+            (self._backups, "done"),
+            (self._draining, "io_done"),
+            (self._querying, "query_done"),
+            (self._loading, "io_done"),
+        ):
             if q:
                 getattr(q[0], ev).wait(timeout)
                 return
@@ -349,20 +365,36 @@ class L3Tier:
         return policy == "timeout" and op.expired()
 
     def _start_load(self, op: Prefetch, hits: int, worth: bool) -> None:
+        """Act on an agreed query result: revoke, cut for host room, or allocate and read.
+
+        Every value used here is agreed or comes from the tree, which changes identically on
+        every rank, so the cut and the re-query happen on every rank alike.
+        """
         if hits < self.threshold_pages:
-            reason = "timed_out" if not op.query_done.is_set() else "below_threshold"
+            if not op.query_done.is_set():
+                reason = "timed_out"
+            elif op.cut_pages:  # no usable prefix fits the host: reading any would be wasted
+                reason = "host_capacity"
+            else:
+                reason = "below_threshold"
             return self._revoke(op, reason)
-        self.counters["l3_decision_load" if worth else "l3_decision_recompute"] += 1
+        if not op.cut_pages:  # a re-query is the same decision, counted once
+            self.counters["l3_decision_load" if worth else "l3_decision_recompute"] += 1
         if not worth:
             return self._revoke(op, "declined")
         P, tree = self.cfg.page_size, self.tree
-        kv = tree.full.host_alloc
-        short = hits * P - kv.available_size()
-        if short > 0:
-            tree.evict_host(full=short)
-            hits = min(hits, kv.available_size() // P)
-            if hits < self.threshold_pages:
+        fit = self._host_room(hits)
+        if fit < hits:
+            if fit < self.threshold_pages:
                 return self._revoke(op, "host_capacity")
+            if self._trailing:
+                # SWA and Mamba data exist only at some page ends: a prefix cut at an arbitrary
+                # page may have neither, and its KV pages could never be matched. Ask the store
+                # again for the longest usable prefix that fits (it is at most ``fit``).
+                self.counters["prefetch_cut_host_capacity"] += 1
+                return self._requery(op, fit)
+            hits = fit
+        kv = tree.full.host_alloc
         op.kv_slots = kv.alloc(hits * P)
         op.planned_pages = hits
         if tree.swa is not None:
@@ -378,6 +410,28 @@ class L3Tier:
         op.state = "load"
         self._loading.append(op)
         self.workers.load(op)
+
+    def _host_room(self, pages: int) -> int:
+        """Pages (up to ``pages``) the FULL host pool can take now, after evicting host leaves.
+
+        Host leaves are pages evicted from the device whose host pins are gone. With
+        ``write_to_storage`` a page's L3 write holds its pin until it is done, so what is
+        evicted here is already in L3 (or its write failed and was counted): a later prefetch
+        can read it back.
+        """
+        P, kv = self.cfg.page_size, self.tree.full.host_alloc
+        short = pages * P - kv.available_size()
+        if short > 0:
+            self.tree.evict_host(full=short)
+        return min(pages, kv.available_size() // P)
+
+    def _requery(self, op: Prefetch, max_pages: int) -> None:
+        """Send ``op`` back to the query thread, looking at its first ``max_pages`` pages only."""
+        op.cut_pages = max_pages
+        op.query_hits = 0
+        op.query_done.clear()
+        self._querying.append(op)
+        self.workers.query(op)
 
     def _revoke(self, op: Prefetch, reason: str) -> None:
         op.reason = reason
@@ -402,8 +456,11 @@ class L3Tier:
         end, present = None, 0
         if pages:
             n = pages * P
-            end, present = tree.graft_host(op.anchor, op.tokens[:n], {"kv": op.kv_slots[:n]},
-                                           op.hashes[:pages], op.namespace)
+            end, present = tree.graft_host(
+                op.anchor, op.tokens[:n], {"kv": op.kv_slots[:n]}, op.hashes[:pages], op.namespace
+            )
+            if end is not None:
+                op.loaded_range = (op.anchor.end + present, op.anchor.end + n)
         # The agreed pages are read: free what the tree did not take now, the rest once IO stops.
         _free(tree.full.host_alloc, op.kv_slots[: present if end is not None else pages * P])
         taken = pages * P - present if end is not None else 0
@@ -418,8 +475,12 @@ class L3Tier:
                 leftovers["swa"] = op.swa_slots
         if op.mamba_slot is not None:
             ms = tree.mamba.slot
-            if (whole and mamba >= 1 and end.host_value[ms] is None
-                    and end.host_value[0] is not None):
+            if (
+                whole
+                and mamba >= 1
+                and end.host_value[ms] is None
+                and end.host_value[0] is not None
+            ):
                 tree.set_host(end, ms, op.mamba_slot.clone())
             else:
                 leftovers["mamba"] = op.mamba_slot
@@ -428,7 +489,8 @@ class L3Tier:
         op.loaded_tokens = taken
         self.metrics.add_hit_tokens(Tier.STORAGE, op.loaded_tokens)
         extras_ok = (op.swa_slots is None or swa_ok) and (
-            op.mamba_slot is None or "mamba" not in leftovers)
+            op.mamba_slot is None or "mamba" not in leftovers
+        )
         if op.checksum_misses:
             outcome = PrefetchOutcome.CHECKSUM_MISS
         elif pages == op.planned_pages and extras_ok:

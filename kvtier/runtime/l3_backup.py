@@ -114,7 +114,9 @@ class BackupWriter:
                     # Stop at the first failed batch: later pages of a prefix are useless
                     # without it. Every page not written counts as failed.
                     job.failed_pages += failed + len(hashes) - (i + len(ok))
-                    job.failed_pages += sum(len(job.pages[n][0]) for n in order[order.index(name) + 1 :])
+                    job.failed_pages += sum(
+                        len(job.pages[n][0]) for n in order[order.index(name) + 1 :]
+                    )
                     return
 
     def _write_batch(self, pool: L3Pool, hashes: list[str], pages: torch.Tensor) -> list[bool]:

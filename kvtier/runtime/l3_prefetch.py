@@ -4,7 +4,11 @@ One prefetch, :class:`Prefetch`, goes through three states; the scheduler thread
 ``L3Tier.poll`` only on values every TP rank agreed on, so all trees change identically:
 
     query  the query thread asks the backend how many leading pages exist (all pools under their
-           hit policies); agreed: MIN of the hit pages -> revoke, or allocate host slots and load
+           hit policies); agreed: MIN of the hit pages -> revoke, or allocate host slots and load.
+           A hit the host cannot take, even after evicting host leaves (already in L3), is cut:
+           FULL-only models read the pages that fit; models with SWA or Mamba query again for
+           the longest prefix that fits and still has its window and state (``cut_pages``),
+           and are revoked ("host_capacity") if there is none
     load   the IO thread reads KV pages in batches into the prefetch's host slots, stopping at the
            first shortfall; the DSA indexer's pages (per KV page, in the KV pages' host pages)
            follow each batch once its KV pages arrived, and a page counts only with both; only
@@ -54,6 +58,9 @@ class Prefetch:
             "timed_out"), else "".
         planned_pages: agreed hit pages that were read (0 until loading).
         loaded_tokens: tokens grafted onto the tree from L3.
+        loaded_range: the positions ``[start, end)`` of the request those tokens fill (the
+            prompt's own positions), or None if nothing was grafted.
+        cut_pages: 0, or the page count a host-capacity cut limited the re-query to.
     """
 
     anchor: TreeNode
@@ -68,6 +75,8 @@ class Prefetch:
     reason: str = ""
     planned_pages: int = 0
     loaded_tokens: int = 0
+    loaded_range: tuple[int, int] | None = None
+    cut_pages: int = 0
     # query thread
     query_done: threading.Event = field(default_factory=threading.Event, repr=False)
     query_hits: int = 0
@@ -110,10 +119,18 @@ class PrefetchWorkers:
         self._queries: queue.Queue[Prefetch | None] = queue.Queue()
         self._loads: queue.Queue[Prefetch | None] = queue.Queue()
         self._threads = [
-            threading.Thread(target=self._serve, args=(self._queries, self._query),
-                             name="kvtier-l3-query", daemon=True),
-            threading.Thread(target=self._serve, args=(self._loads, self._load),
-                             name="kvtier-l3-prefetch", daemon=True),
+            threading.Thread(
+                target=self._serve,
+                args=(self._queries, self._query),
+                name="kvtier-l3-query",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._serve,
+                args=(self._loads, self._load),
+                name="kvtier-l3-prefetch",
+                daemon=True,
+            ),
         ]
         for t in self._threads:
             t.start()
@@ -151,13 +168,14 @@ class PrefetchWorkers:
     def _query(self, op: Prefetch) -> None:
         if op.cancel.is_set():
             return
-        transfers = [PoolTransfer("kv", op.hashes, policy=ALL_PAGES)]
+        hashes = op.hashes[: op.cut_pages] if op.cut_pages else op.hashes
+        transfers = [PoolTransfer("kv", hashes, policy=ALL_PAGES)]
         if "indexer" in self.pools:
-            transfers.append(PoolTransfer("indexer", op.hashes, policy=ALL_PAGES))
+            transfers.append(PoolTransfer("indexer", hashes, policy=ALL_PAGES))
         if "swa" in self.pools:
-            transfers.append(PoolTransfer("swa", op.hashes, policy=TRAILING_PAGES(self.W)))
+            transfers.append(PoolTransfer("swa", hashes, policy=TRAILING_PAGES(self.W)))
         if "mamba" in self.pools:
-            transfers.append(PoolTransfer("mamba", op.hashes, policy=TRAILING_PAGES(1)))
+            transfers.append(PoolTransfer("mamba", hashes, policy=TRAILING_PAGES(1)))
         op.query_hits = self.backend.exists(transfers)
 
     # -- IO thread -----------------------------------------------------------------------------
