@@ -450,7 +450,7 @@ class TieredKVCache:
                 )
         req.computed_len = n_tokens
         if self.swa_pool is not None:
-            self.tree.free_out_of_window(req, n_tokens)
+            self._slide_window(req, n_tokens)
         if self.mamba_pool is None or n_tokens % self.config.page_size:
             return
         if req.mamba_ckpt is None:
@@ -461,6 +461,26 @@ class TieredKVCache:
                 return  # no slot: this request's state will not be cached
         self.mamba_pool.copy_slots(req.mamba_slot, req.mamba_ckpt)
         req.mamba_ckpt_len = n_tokens
+
+    def _slide_window(self, req: Request, n: int) -> None:
+        """``n`` positions are computed: SWA data no later position of the request reads leaves
+        it. Prompt pages go to the tree first (``cache_unfinished_req``), which keeps their SWA
+        data as evictable cache, so a later prompt sharing a prefix that ends inside this one
+        still finds its window; the request's own slots of positions it generated are freed.
+        Once no later position reads SWA data the tree owns, the request's window pin on it
+        is released too."""
+        P = self.config.page_size
+        tail = -(-self.config.swa_window // P) * P
+        slid = n // P * P - tail  # positions below it leave the request's window
+        if slid > max(req.swa_evicted_seqlen, req.cache_protected_len):
+            if n <= len(req.token_ids):
+                self.cache_unfinished_req(req)
+            self.tree.free_out_of_window(req, n)
+        lock = req.lock
+        if lock is not None and lock.swa_boundary is not None and (
+            n - self.config.swa_window >= req.cache_protected_len
+        ):
+            req.lock = self.tree.unlock_swa(lock)
 
     def _check_end(self, req: Request, end: int, arg: str) -> None:
         if type(end) is not int:
@@ -561,7 +581,7 @@ class TieredKVCache:
         if policy == "write_through_selective":
             while node is not self.tree.root and node.hit_count < 2:
                 node = node.parent
-        if node is not self.tree.root and node.host_value[0] is None:
+        if node is not self.tree.root and self.tree.backup_chain(node):
             self.controller.backup(node)
 
     def _write_back(self, node: TreeNode) -> bool:

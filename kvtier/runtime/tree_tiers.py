@@ -50,14 +50,9 @@ class HostTierMixin:
             raise ValueError("backup needs host pools")
         if node.parent is None or node.value[0] is None:
             raise ValueError(f"backup of {node}: not a device node")
-        chain: list[TreeNode] = []
-        x = node
-        while x.parent is not None and x.host_value[0] is None:
-            chain.append(x)
-            if not self.backup_continuity:
-                break
-            x = x.parent
-        chain.reverse()
+        chain = self.backup_chain(node)
+        if not chain:
+            raise ValueError(f"backup of {node}: everything it holds is on host already")
         comps = [c for c in self.components if c.host_alloc is not None]
         need = {c.slot: 0 for c in comps}
         for x in chain:
@@ -87,6 +82,31 @@ class HostTierMixin:
         # reused while the copy still reads them.
         chain_locks = tuple(self.lock(x) for x in chain[:-1]) if self.aux else ()
         return Backup(tuple(chain), _transfers(pairs, "d2h"), self.lock(node), chain_locks)
+
+    def backup_chain(self: UnifiedRadixTree, node: TreeNode) -> list[TreeNode]:
+        """The nodes a backup of ``node`` copies, top-down: ``node`` and, with backup
+        continuity, its ancestors without a host FULL copy; and, within one SWA window of
+        ``node``'s end, nodes whose FULL is on host but whose SWA window or Mamba state is on
+        device only (an insert restored them after the FULL backup). Empty: nothing to copy."""
+        reach = self.swa.window if self.swa is not None else 0
+        chain: list[TreeNode] = []
+        x, covered = node, 0
+        while x.parent is not None:
+            near = x is node or covered < reach
+            unbacked = x.host_value[0] is None
+            if unbacked or (near and any(
+                x.value[c.slot] is not None and x.host_value[c.slot] is None
+                for c in self.aux if c.host_alloc is not None
+            )):
+                chain.append(x)
+            elif not near:
+                break
+            if unbacked and not self.backup_continuity:
+                break
+            covered += len(x.key)
+            x = x.parent
+        chain.reverse()
+        return chain
 
     def finish_backup(self: UnifiedRadixTree, backup: Backup) -> None:
         """The D→H copies of ``backup`` are done: drop its device locks."""
