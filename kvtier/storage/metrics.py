@@ -1,9 +1,9 @@
 """Monotonic counters for the tiers: hits, bytes moved, time spent, prefetch outcomes, failures.
 
 Counters only ever grow (Prometheus ``counter`` semantics); bandwidth is derived from two counters
-(bytes / busy seconds) when read, never stored as a gauge that a later sample overwrites. All
-methods are thread-safe: the backup thread, the prefetch thread and the scheduler update the same
-object.
+(bytes / busy seconds) when read, never stored as a gauge that a later sample overwrites. The one
+gauge is the storage circuit breaker's state (``breaker.CircuitBreaker``). All methods are
+thread-safe: the backup thread, the prefetch thread and the scheduler update the same object.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from enum import Enum
+
+from kvtier.storage.breaker import BreakerEvent, BreakerState
 
 __all__ = ["Direction", "PrefetchOutcome", "StorageMetrics", "Tier"]
 
@@ -50,6 +52,9 @@ class StorageMetrics:
         self._checksum_miss_pages = 0
         self._failed_pages: Counter[Direction] = Counter()
         self._backup_failures = 0
+        self._retried_pages = 0
+        self._breaker_events: Counter[BreakerEvent] = Counter()
+        self._breaker_state = BreakerState.CLOSED
 
     def add_hit_tokens(self, tier: Tier, tokens: int) -> None:
         """Tokens of a request's prefix served from ``tier``."""
@@ -90,6 +95,18 @@ class StorageMetrics:
         with self._lock:
             self._backup_failures += pages
 
+    def add_retried_pages(self, pages: int) -> None:
+        """Pages a backend sends again after an attempt failed because the store was unreachable."""
+        self._check(pages)
+        with self._lock:
+            self._retried_pages += pages
+
+    def record_breaker(self, event: BreakerEvent, state: BreakerState) -> None:
+        """A storage circuit breaker ``event``, after which the breaker is in ``state``."""
+        with self._lock:
+            self._breaker_events[BreakerEvent(event)] += 1
+            self._breaker_state = BreakerState(state)
+
     def snapshot(self) -> dict[str, float]:
         """Every counter, plus derived GB/s per tier and direction, as a flat dict."""
         with self._lock:
@@ -107,6 +124,11 @@ class StorageMetrics:
                 out[f"failed_pages.{d.value}"] = self._failed_pages[d]
             out["checksum_miss_pages"] = self._checksum_miss_pages
             out["backup_failures"] = self._backup_failures
+            out["retried_pages"] = self._retried_pages
+            for e in BreakerEvent:
+                out[f"breaker.{e.value}"] = self._breaker_events[e]
+            for st in BreakerState:
+                out[f"breaker.state.{st.value}"] = int(st is self._breaker_state)
             return out
 
     def prometheus(self) -> str:
@@ -168,6 +190,24 @@ class StorageMetrics:
             "counter",
             "Pages whose L3 backup failed after retries.",
             [("", s["backup_failures"])],
+        )
+        family(
+            "storage_retried_pages_total",
+            "counter",
+            "Pages sent again after the store was unreachable.",
+            [("", s["retried_pages"])],
+        )
+        family(
+            "storage_breaker_events_total",
+            "counter",
+            "Storage circuit breaker events: opened, probe, short_circuited, recovered.",
+            [(f'{{event="{e.value}"}}', s[f"breaker.{e.value}"]) for e in BreakerEvent],
+        )
+        family(
+            "storage_breaker_state",
+            "gauge",
+            "1 for the storage circuit breaker's current state, 0 for the others.",
+            [(f'{{state="{st.value}"}}', s[f"breaker.state.{st.value}"]) for st in BreakerState],
         )
         return "\n".join(lines) + "\n"
 
