@@ -10,10 +10,10 @@ from __future__ import annotations
 from kvtier.kernels import HostLayout, TransferKnobs
 from kvtier.runtime.cache import Request, TieredKVCache
 from kvtier.runtime.config import CacheConfig
-from kvtier.runtime.device_pool import MHADevicePool, MLADevicePool
-from kvtier.runtime.host_pool import HostPool
-from kvtier.runtime.indexer_pool import IndexerDevicePool
-from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool, MambaStateSpec
+from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
+from kvtier.runtime.pools.host import HostPool
+from kvtier.runtime.pools.indexer import IndexerDevicePool
+from kvtier.runtime.pools.mamba import MambaDevicePool, MambaHostPool, MambaStateSpec
 
 __version__ = "0.1.0"
 

@@ -48,8 +48,8 @@ def roundtrip(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.kernels import HostLayout
-    from kvtier.runtime.device_pool import MHADevicePool
-    from kvtier.runtime.host_pool import HostPool
+    from kvtier.runtime.pools.device import MHADevicePool
+    from kvtier.runtime.pools.host import HostPool
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")

@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvtier.kernels import TransferKnobs, set_debug_checks  # noqa: E402
 from kvtier.kernels.pack import device_knobs  # noqa: E402
-from kvtier.runtime.device_pool import MHADevicePool  # noqa: E402
-from kvtier.runtime.host_pool import HostPool  # noqa: E402
-from kvtier.runtime.indexer_pool import IndexerDevicePool  # noqa: E402
-from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool, MambaStateSpec  # noqa: E402
+from kvtier.runtime.pools.device import MHADevicePool  # noqa: E402
+from kvtier.runtime.pools.host import HostPool  # noqa: E402
+from kvtier.runtime.pools.indexer import IndexerDevicePool  # noqa: E402
+from kvtier.runtime.pools.mamba import MambaDevicePool, MambaHostPool, MambaStateSpec  # noqa: E402
 
 
 def gbs(nbytes: int, ms: float) -> float:

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from kvtier.runtime.mamba_pool import MambaStateSpec
+from kvtier.runtime.pools.mamba import MambaStateSpec
 
 __all__ = ["HybridModelConfig", "LayerKind"]
 

@@ -36,7 +36,7 @@ from kvtier.example.layers import (
     rope_cos_sin,
 )
 from kvtier.example.pools import ModelPools
-from kvtier.runtime.device_pool import MHADevicePool
+from kvtier.runtime.pools.device import MHADevicePool
 
 __all__ = ["Generation", "HybridModel", "HybridModelConfig", "ModelPools"]
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.example.config import HybridModelConfig
-from kvtier.runtime.device_pool import MHADevicePool
-from kvtier.runtime.mamba_pool import MambaDevicePool
+from kvtier.runtime.pools.device import MHADevicePool
+from kvtier.runtime.pools.mamba import MambaDevicePool
 
 __all__ = ["ModelPools"]
 

@@ -1,14 +1,20 @@
-"""kvtier runtime: page allocators and the unified radix tree (prefix cache books)."""
+"""The runtime: the cache facade and its builder, the controller, and the parts they wire:
+pools (memory), the radix tree (books), the L3 tier (storage)."""
 
 from __future__ import annotations
 
-from kvtier.runtime.allocator import PageAllocator, SlotAllocator, SWAPageAllocator
-from kvtier.runtime.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
-from kvtier.runtime.tree import UnifiedRadixTree
-from kvtier.runtime.tree_config import TreeConfig, build_tree
-from kvtier.runtime.tree_node import TreeNode
-from kvtier.runtime.tree_requests import CacheRequest
-from kvtier.runtime.tree_types import (
+from kvtier.runtime.pools.allocator import PageAllocator, SlotAllocator, SWAPageAllocator
+from kvtier.runtime.tree.components import (
+    FullComponent,
+    MambaComponent,
+    SWAComponent,
+    TreeComponent,
+)
+from kvtier.runtime.tree.config import TreeConfig, build_tree
+from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.requests import CacheRequest
+from kvtier.runtime.tree.tree import UnifiedRadixTree
+from kvtier.runtime.tree.types import (
     Backup,
     EvictResult,
     HostPinHandle,

@@ -39,17 +39,13 @@ import numpy as np
 import torch
 
 from kvtier.nvtx import nvtx_range
+from kvtier.runtime.build import build_cache_parts
 from kvtier.runtime.config import CacheConfig
-from kvtier.runtime.controller import CacheController, PoolBinding
-from kvtier.runtime.device_pool import MHADevicePool, MLADevicePool
-from kvtier.runtime.host_pool import HostPool
-from kvtier.runtime.indexer_pool import IndexerDevicePool
-from kvtier.runtime.l3 import L3Tier, Prefetch
-from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool
-from kvtier.runtime.tree_config import TreeConfig, build_tree
-from kvtier.runtime.tree_node import TreeNode
-from kvtier.runtime.tree_requests import CacheRequest
-from kvtier.storage import Direction, StorageBackend, StorageMetrics, Tier
+from kvtier.runtime.l3.prefetch import Prefetch
+from kvtier.runtime.tp import all_reduce_max
+from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.requests import CacheRequest
+from kvtier.storage import Direction, StorageBackend, Tier
 from kvtier.storage.keys import canonical_namespace
 
 __all__ = ["CacheCounters", "Request", "TieredKVCache"]
@@ -93,7 +89,6 @@ class CacheCounters:
     load_backs: int = 0
     load_backs_skipped: int = 0
     evicted_tokens: int = 0
-    write_back_backups: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -117,87 +112,26 @@ class TieredKVCache:
         ack_delay_steps: int = 0,
         storage_backend: StorageBackend | None = None,
     ) -> None:
-        self.config = cfg = config
-        self.device = torch.device(cfg.device)
-        P = cfg.page_size
-        full, swa, mamba = cfg.layers_of("full"), cfg.layers_of("swa"), cfg.layers_of("mamba")
-        H, D, dt = cfg.kv_heads, cfg.head_dim, cfg.dtype
-        self.full_pool: MHADevicePool | MLADevicePool = (
-            MLADevicePool(len(full), cfg.device_tokens, cfg.mla_dim, dt, self.device, P)
-            if cfg.mla_dim is not None
-            else MHADevicePool(len(full), cfg.device_tokens, H, D, dt, self.device, P)
-        )
-        self.indexer_pool = (
-            IndexerDevicePool(len(full), cfg.device_tokens // P, P, device=self.device)
-            if cfg.indexer
-            else None
-        )
-        self.swa_pool = (
-            MHADevicePool(len(swa), cfg.swa_device_tokens, H, D, dt, self.device, P) if swa else None
-        )
-        self.mamba_pool = (
-            MambaDevicePool(len(mamba), cfg.mamba_slots, cfg.mamba, self.device) if mamba else None
-        )
-        k = cfg.knobs
-        self.host_full = HostPool(self.full_pool, cfg.host_layout, size=cfg.host_kv_tokens, knobs=k)
-        # Host page p of the indexer belongs to host KV page p (slots [p * P, p * P + P)).
-        self.host_indexer = (
-            HostPool(self.indexer_pool, cfg.host_layout, size=cfg.host_kv_tokens // P, knobs=k)
-            if cfg.indexer
-            else None
-        )
-        self.host_swa = (
-            HostPool(self.swa_pool, cfg.host_layout, size=cfg.host_swa_tokens, knobs=k) if swa else None
-        )
-        self.host_mamba = (
-            MambaHostPool(self.mamba_pool, size=cfg.host_mamba_slots, knobs=k) if mamba else None
-        )
-        write_back = cfg.write_policy == "write_back"
-        self.tree = build_tree(
-            TreeConfig(
-                page_size=P,
-                kv_size=cfg.device_tokens,
-                swa_window=cfg.swa_window if swa else None,
-                swa_size=cfg.swa_device_tokens if swa else None,
-                mamba_size=cfg.mamba_slots if mamba else None,
-                mamba_chunk_size=P,
-                host_kv_size=cfg.host_kv_tokens,
-                host_swa_size=cfg.host_swa_tokens if swa else None,
-                host_mamba_size=cfg.host_mamba_slots if mamba else None,
-                backup_continuity=not write_back,
-            ),
-            write_back=self._write_back if write_back else None,
-        )
-        self.kv_alloc = self.tree.full.device_alloc
-        bindings = {"kv": _kv_binding("kv", self.host_full, self.host_indexer)}
-        layer_map: list[tuple[str, int]] = []
-        for kind in cfg.layer_kinds:
-            pool = {"full": "kv", "swa": "swa", "mamba": "mamba"}[kind]
-            layer_map.append((pool, sum(1 for p, _ in layer_map if p == pool)))
-        if swa:
-            bindings["swa"] = _kv_binding("swa", self.host_swa)
-        if mamba:
-            hm = self.host_mamba
-            bindings["mamba"] = PoolBinding(
-                "mamba",
-                lambda d, h: hm.backup(d, h, check=False),
-                lambda h, d, layer: hm.load(h, d, layer=layer, check=False),
-                self.mamba_pool.slot_bytes,
-                len(mamba),
-            )
-        self.controller = CacheController(
-            self.tree, bindings, layer_map, self.device, tp_group, ack_delay_steps
-        )
-        self.layer_map = layer_map
+        self.config = config
+        parts = build_cache_parts(config, tp_group, ack_delay_steps, storage_backend)
+        self.device = parts.device
+        self.full_pool = parts.full_pool
+        self.indexer_pool = parts.indexer_pool
+        self.swa_pool = parts.swa_pool
+        self.mamba_pool = parts.mamba_pool
+        self.host_full = parts.host_full
+        self.host_indexer = parts.host_indexer
+        self.host_swa = parts.host_swa
+        self.host_mamba = parts.host_mamba
+        self.tree = parts.tree
+        self.kv_alloc = parts.tree.full.device_alloc
+        self.controller = parts.controller
+        self.layer_map = parts.layer_map
+        self.tier_metrics = parts.tier_metrics
+        self.l3 = parts.l3
         self.counters = CacheCounters()
         self.requests: dict[int, Request] = {}
-        self.tier_metrics = StorageMetrics()
         self._host_seen = (0, 0.0, 0, 0.0)
-        self.l3: L3Tier | None = None
-        if cfg.storage is not None:
-            self.l3 = L3Tier(self, self.tier_metrics, storage_backend)
-        elif storage_backend is not None:
-            raise ValueError("storage_backend needs config.storage")
         if self.device.type == "cuda":
             self.warmup()
 
@@ -303,7 +237,7 @@ class TieredKVCache:
     def _give_mamba_state(self, req: Request, node: TreeNode) -> None:
         """A state slot for the request: a copy of the anchor's state, or zeros from position 0."""
         tree, pool = self.tree, self.mamba_pool
-        slot = _alloc_or_evict(tree.mamba.device_alloc, 1, lambda: tree.evict(mamba=1))
+        slot = tree.alloc_or_evict(tree.mamba, 1)
         if slot is None:
             raise RuntimeError("mamba: no free state slot for the request")
         req.mamba_slot = slot
@@ -454,9 +388,7 @@ class TieredKVCache:
         if self.mamba_pool is None or n_tokens % self.config.page_size:
             return
         if req.mamba_ckpt is None:
-            req.mamba_ckpt = _alloc_or_evict(
-                self.tree.mamba.device_alloc, 1, lambda: self.tree.evict(mamba=1)
-            )
+            req.mamba_ckpt = self.tree.alloc_or_evict(self.tree.mamba, 1)
             if req.mamba_ckpt is None:
                 return  # no slot: this request's state will not be cached
         self.mamba_pool.copy_slots(req.mamba_slot, req.mamba_ckpt)
@@ -555,7 +487,7 @@ class TieredKVCache:
             self.tree.mamba.device_alloc.free(req.mamba_ckpt)
             req.mamba_ckpt = None
         req._pending_cow.clear()
-        self.tree.cache_finished_req(req, is_insert=False)
+        self.tree.release_req(req)
         self.requests.pop(id(req), None)
         req.released = "aborted"
 
@@ -583,13 +515,6 @@ class TieredKVCache:
                 node = node.parent
         if node is not self.tree.root and self.tree.backup_chain(node):
             self.controller.backup(node)
-
-    def _write_back(self, node: TreeNode) -> bool:
-        """Write-back: back a device leaf up as it is evicted; False keeps it on device."""
-        ok = self.controller.backup(node, wait=True)
-        if ok:
-            self.counters.write_back_backups += 1
-        return ok
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -639,11 +564,7 @@ class TieredKVCache:
             self.l3.wait_some(0.05)
             self.poll()
             left = torch.tensor([self.l3.outstanding], dtype=torch.int64)
-            if self.controller.tp_group is not None:
-                import torch.distributed as dist
-
-                dist.all_reduce(left, op=dist.ReduceOp.MAX, group=self.controller.tp_group)
-            if int(left) == 0:
+            if int(all_reduce_max(left, self.controller.tp_group)) == 0:
                 return
 
     def close(self) -> None:
@@ -678,6 +599,7 @@ class TieredKVCache:
             h2d_bytes=s.h2d_bytes,
             backups=s.backups,
             backups_refused=s.backups_refused,
+            write_back_backups=s.write_back_backups,
             loads=s.loads,
             d2h_seconds=s.d2h_seconds,
             h2d_seconds=s.h2d_seconds,
@@ -712,31 +634,6 @@ class TieredKVCache:
                 f'{c[f"prefetch_revoked_{reason}"]}'
             )
         return text + "\n".join(lines) + "\n"
-
-
-def _kv_binding(name: str, host: HostPool, indexer: HostPool | None = None) -> PoolBinding:
-    """Copies of a KV pool; with ``indexer``, its pages ride along with the KV pages."""
-    if indexer is None:
-        return PoolBinding(
-            name,
-            lambda d, h: host.backup(d, h, check=False),
-            lambda h, d, layer: host.load(h, d, layer=layer, check=False),
-            host.device_pool.bytes_per_token,
-            host.device_pool.num_layers,
-        )
-    P = host.page_size
-
-    def backup(d: torch.Tensor, h: torch.Tensor) -> None:
-        host.backup(d, h, check=False)
-        # Tree slots come in whole, page-aligned pages: a page's first slot names it.
-        indexer.backup(d[::P] // P, h[::P] // P, check=False)
-
-    def load(h: torch.Tensor, d: torch.Tensor, layer: int) -> None:
-        host.load(h, d, layer=layer, check=False)
-        indexer.load(h[::P] // P, d[::P] // P, layer=layer, check=False)
-
-    per_token = host.device_pool.bytes_per_token + indexer.device_pool.bytes_per_token // P
-    return PoolBinding(name, backup, load, per_token, host.device_pool.num_layers)
 
 
 def token_list(token_ids) -> list[int]:
@@ -793,14 +690,6 @@ def _check_count(n: int, arg: str) -> None:
         raise TypeError(f"{arg}: expected an int, got {n!r}")
     if n < 0:
         raise ValueError(f"{arg}: must be >= 0, got {n}")
-
-
-def _alloc_or_evict(alloc, n: int, evict) -> torch.Tensor | None:
-    slots = alloc.alloc(n)
-    if slots is None:
-        evict()
-        slots = alloc.alloc(n)
-    return slots
 
 
 def _path_slots(node: TreeNode) -> torch.Tensor:

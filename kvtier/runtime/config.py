@@ -19,7 +19,7 @@ import torch
 
 from kvtier.kernels.kv_transfer import TransferKnobs
 from kvtier.kernels.layout import HostLayout
-from kvtier.runtime.mamba_pool import MambaStateSpec
+from kvtier.runtime.pools.mamba import MambaStateSpec
 
 __all__ = [
     "LAYER_KINDS",

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.nvtx import nvtx_range
-from kvtier.runtime.tree import UnifiedRadixTree
-from kvtier.runtime.tree_node import TreeNode
-from kvtier.runtime.tree_types import Backup, LoadBack
+from kvtier.runtime.tp import all_reduce_max, all_reduce_min
+from kvtier.runtime.tree.tree import UnifiedRadixTree
+from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.types import Backup, LoadBack
 
 __all__ = ["CacheController", "PoolBinding", "TransferStats"]
 
@@ -68,6 +69,7 @@ class TransferStats:
     h2d_bytes: int = 0
     backups: int = 0
     backups_refused: int = 0
+    write_back_backups: int = 0
     loads: int = 0
     d2h_seconds: float = 0.0
     h2d_seconds: float = 0.0
@@ -108,6 +110,8 @@ class CacheController:
         tp_group: a CPU (gloo) process group whose ranks must agree on acks, or None.
         ack_delay_steps: acknowledge an operation only after this many ``poll`` calls since it
             was issued (a test hook that makes one rank's completions arrive later).
+        on_backup_done: called with ``(books, event)`` once a backup's D→H copy is acknowledged
+            (``event``: its completion event on CUDA, already complete; None on CPU).
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class CacheController:
         device: torch.device,
         tp_group=None,
         ack_delay_steps: int = 0,
+        on_backup_done: Callable[[Backup, torch.cuda.Event | None], None] | None = None,
     ) -> None:
         self.tree = tree
         self.bindings = bindings
@@ -136,9 +141,7 @@ class CacheController:
         self._queued: list[LoadBack] = []
         self._untimed: deque[_Op] = deque()  # write-back copies, acknowledged at once: timed later
         self._step = 0
-        #: called with ``(books, event)`` once a backup's D→H copy is acknowledged (``event``:
-        #: its completion event on CUDA, already complete; None on CPU).
-        self.on_backup_done: Callable[[Backup, torch.cuda.Event | None], None] | None = None
+        self.on_backup_done = on_backup_done
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -190,6 +193,7 @@ class CacheController:
             self.stats.d2h_seconds += time.perf_counter() - t0
             self.stats.d2h_timed_bytes += nbytes
         if wait:
+            self.stats.write_back_backups += 1
             # The caller frees the source slots now. Every later use of them is ordered after
             # the copy: compute waits for it here, and loads start after compute. The index
             # tensors are kept by the allocator until the write stream is done with them.
@@ -300,12 +304,10 @@ class CacheController:
         self._step += 1
         n_backup, n_load = self._ready(self._backups), self._ready(self._loads)
         if self.tp_group is not None:
-            import torch.distributed as dist
-
             counts = torch.tensor([n_backup, n_load], dtype=torch.int64)
             if extra is not None:
                 counts = torch.cat([counts, extra])
-            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=self.tp_group)
+            all_reduce_min(counts, self.tp_group)
             n_backup, n_load = int(counts[0]), int(counts[1])
             if extra is not None:
                 extra.copy_(counts[2:])
@@ -362,11 +364,7 @@ class CacheController:
                 torch.cuda.synchronize(self.device)
             self.poll()
             remaining = torch.tensor([len(self._backups) + len(self._loads)], dtype=torch.int64)
-            if self.tp_group is not None:
-                import torch.distributed as dist
-
-                dist.all_reduce(remaining, op=dist.ReduceOp.MAX, group=self.tp_group)
-            if int(remaining) == 0:
+            if int(all_reduce_max(remaining, self.tp_group)) == 0:
                 return
 
     @property

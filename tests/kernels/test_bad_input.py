@@ -7,8 +7,8 @@ import torch
 
 from kvtier.kernels import DeviceBuffers, HostBuffer, copy_device_to_host, copy_host_to_device
 from kvtier.kernels.dispatch import select_impl
-from kvtier.runtime.device_pool import MHADevicePool, MLADevicePool
-from kvtier.runtime.host_pool import HostPool
+from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
+from kvtier.runtime.pools.host import HostPool
 from tests.kernels.helpers import as_bytes, clone_host, make_device, make_host
 
 P = 4

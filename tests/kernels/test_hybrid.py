@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.runtime.allocator import SWAPageAllocator
-from kvtier.runtime.device_pool import MHADevicePool, MLADevicePool
-from kvtier.runtime.host_pool import HostPool
-from kvtier.runtime.indexer_pool import IndexerDevicePool, kv_slots_to_pages
-from kvtier.runtime.mamba_pool import MambaDevicePool, MambaHostPool, MambaStateSpec
+from kvtier.runtime.pools.allocator import SWAPageAllocator
+from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
+from kvtier.runtime.pools.host import HostPool
+from kvtier.runtime.pools.indexer import IndexerDevicePool, kv_slots_to_pages
+from kvtier.runtime.pools.mamba import MambaDevicePool, MambaHostPool, MambaStateSpec
 from tests.kernels.helpers import as_bytes
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]

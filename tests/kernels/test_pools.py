@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvtier.kernels.reference import host_byte_view
-from kvtier.runtime.device_pool import MHADevicePool, MLADevicePool
-from kvtier.runtime.host_pool import HostPool
+from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
+from kvtier.runtime.pools.host import HostPool
 
 
 @pytest.mark.parametrize(

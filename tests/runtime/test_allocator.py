@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.runtime.allocator import PageAllocator, SlotAllocator
+from kvtier.runtime.pools.allocator import PageAllocator, SlotAllocator
 
 
 @pytest.mark.parametrize("P", [1, 16, 256])
@@ -66,7 +66,7 @@ def test_slot_allocator_and_bad_config():
 
 def test_negative_or_large_slots_never_touch_the_books():
     """Negative page ids would wrap in numpy indexing: they are refused before any update."""
-    from kvtier.runtime.allocator import SWAPageAllocator
+    from kvtier.runtime.pools.allocator import SWAPageAllocator
 
     a = SWAPageAllocator(64, 64, 16)
     x = a.alloc(64)

@@ -13,7 +13,7 @@ import torch
 
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig
-from kvtier.runtime.mamba_pool import MambaStateSpec
+from kvtier.runtime.pools.mamba import MambaStateSpec
 
 P = 4
 SPEC = MambaStateSpec(temporal_shape=(2, 3), conv_shapes=((4, 2),), conv_dtypes=(torch.float32,))

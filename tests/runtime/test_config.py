@@ -12,7 +12,7 @@ import torch
 
 from kvtier.kernels.kv_transfer import TransferKnobs
 from kvtier.runtime.config import CacheConfig, KVTierConfigWarning, StorageConfig
-from kvtier.runtime.mamba_pool import MambaStateSpec
+from kvtier.runtime.pools.mamba import MambaStateSpec
 
 P = 4
 SPEC = MambaStateSpec(temporal_shape=(2, 3), conv_shapes=((4, 2),))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.runtime.tree_config import TreeConfig, build_tree
-from kvtier.runtime.tree_types import TreeIntegrityError
+from kvtier.runtime.tree.config import TreeConfig, build_tree
+from kvtier.runtime.tree.types import TreeIntegrityError
 
 P = 4
 TOKENS = list(range(200, 216))  # 4 pages

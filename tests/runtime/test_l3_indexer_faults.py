@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.runtime.l3_pools import namespace_for
+from kvtier.runtime.l3.pools import namespace_for
 from kvtier.storage import KeyScope, PrefetchOutcome, create_backend, page_hashes
 from kvtier.storage.file_backend import FileBackend, FileBackendConfig
 from tests.runtime.test_l3_mla import (

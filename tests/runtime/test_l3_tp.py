@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvtier.runtime.l3_pools import namespace_for
+from kvtier.runtime.l3.pools import namespace_for
 from kvtier.storage import page_hashes
 from tests.runtime.l3_helpers import conversations, make_l3_cache, produce, second_turn
 from tests.runtime.test_cache import P, run_turn

@@ -154,7 +154,7 @@ def test_cache_finished_req(h: Harness, tail: int) -> None:
 def test_cache_finished_req_without_insert(h: Harness) -> None:
     tokens = h.tokens(3)
     req = CacheRequest(tokens, h.alloc(len(tokens)), mamba_slot=h.mamba_slot())
-    h.tree.cache_finished_req(req, is_insert=False)
+    h.tree.release_req(req)
     assert h.device_len(tokens) == 0
     assert full_free(h) == h.kv.size
     h.check()

@@ -8,7 +8,7 @@ import torch
 from tree_harness import CONFIGS, Harness
 
 from kvtier.runtime import CacheRequest
-from kvtier.runtime.mamba_pool import MambaDevicePool, MambaStateSpec
+from kvtier.runtime.pools.mamba import MambaDevicePool, MambaStateSpec
 
 MAMBA = [(p, w) for _, p, w, m in CONFIGS if m]
 MAMBA_IDS = [f"p{p}-w{w}" for p, w in MAMBA]

@@ -143,7 +143,7 @@ class Sim:
             self.start()
         elif op < 0.38:
             req = reqs.pop(rng.randrange(len(reqs)))
-            tree.cache_finished_req(req, is_insert=rng.random() < 0.9)
+            (tree.cache_finished_req if rng.random() < 0.9 else tree.release_req)(req)
             self.corpus.append(req.token_ids)
             self.bump("finish")
         elif op < 0.46:

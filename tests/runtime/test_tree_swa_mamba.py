@@ -233,7 +233,7 @@ def test_stranded_mamba_pin_raises_in_cascade(P: int, W: int) -> None:
     leaf.lock[m] += 1
     h.tree.evict_host()
     with pytest.raises(TreeIntegrityError, match="stranded"):
-        h.tree._tombstone(leaf, h.tree.swa, [0, 0, 0], host=False)
+        h.tree.eviction._tombstone(leaf, h.tree.swa, [0, 0, 0], host=False)
 
 
 def test_early_swa_release_drops_mamba_pin_keeps_full() -> None:

@@ -10,7 +10,7 @@ import torch
 from kvtier.kernels.kv_transfer import _kv_copy_kernel
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig
-from kvtier.runtime.mamba_pool import MambaStateSpec
+from kvtier.runtime.pools.mamba import MambaStateSpec
 
 P = 16
 SPEC = MambaStateSpec(temporal_shape=(2, 8), conv_shapes=((8, 3),), conv_dtypes=(torch.float32,))

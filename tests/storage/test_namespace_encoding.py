@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvtier.runtime.config import CacheConfig, StorageConfig
-from kvtier.runtime.l3_pools import namespace_for
+from kvtier.runtime.l3.pools import namespace_for
 from kvtier.storage import page_hashes
 from kvtier.storage.keys import canonical_namespace
 

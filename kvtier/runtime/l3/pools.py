@@ -19,8 +19,8 @@ from collections.abc import Hashable
 import torch
 
 from kvtier.runtime.config import CacheConfig
-from kvtier.runtime.host_pool import HostPool
-from kvtier.runtime.mamba_pool import MambaHostPool
+from kvtier.runtime.pools.host import HostPool
+from kvtier.runtime.pools.mamba import MambaHostPool
 from kvtier.storage import Namespace
 from kvtier.storage.keys import canonical_namespace
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 
 if TYPE_CHECKING:
-    from kvtier.runtime.tree_node import TreeNode
+    from kvtier.runtime.tree.node import TreeNode
 
 __all__ = [
     "Backup",

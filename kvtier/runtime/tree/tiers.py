@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.tree_node import TreeNode, child_key, match_len
-from kvtier.runtime.tree_types import Backup, LoadBack, Transfer, TreeIntegrityError
+from kvtier.runtime.tree.node import TreeNode, child_key, match_len
+from kvtier.runtime.tree.types import Backup, LoadBack, Transfer, TreeIntegrityError
 
 if TYPE_CHECKING:
-    from kvtier.runtime.tree import UnifiedRadixTree
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
 
-__all__ = ["HostTierMixin"]
+__all__ = ["HostTier"]
 
 
 def _transfers(pairs: dict[str, tuple[list, list]], direction: str) -> tuple[Transfer, ...]:
@@ -36,24 +36,27 @@ def _transfers(pairs: dict[str, tuple[list, list]], direction: str) -> tuple[Tra
     )
 
 
-class HostTierMixin:
-    """Backup and load-back books of ``UnifiedRadixTree``."""
+class HostTier:
+    """Backup and load-back books of a tree: its books stay the tree's; this part acts on them."""
 
-    def backup(self: UnifiedRadixTree, node: TreeNode) -> Backup | None:
+    def __init__(self, tree: UnifiedRadixTree) -> None:
+        self.tree = tree
+
+    def backup(self, node: TreeNode) -> Backup | None:
         """Allocate host slots for ``node`` (and, with backup continuity, for its unbacked
         ancestors) and record them; returns the D→H copies, or None if host space ran out.
 
         Host leaves are evicted to make room. Aux data is backed up with FULL where it is on
         device. The nodes are device-locked until ``finish_backup``.
         """
-        if not self.host_enabled:
+        if not self.tree.host_enabled:
             raise ValueError("backup needs host pools")
         if node.parent is None or node.value[0] is None:
             raise ValueError(f"backup of {node}: not a device node")
         chain = self.backup_chain(node)
         if not chain:
             raise ValueError(f"backup of {node}: everything it holds is on host already")
-        comps = [c for c in self.components if c.host_alloc is not None]
+        comps = [c for c in self.tree.components if c.host_alloc is not None]
         need = {c.slot: 0 for c in comps}
         for x in chain:
             for c in comps:
@@ -62,7 +65,7 @@ class HostTierMixin:
         for c in comps:
             short = need[c.slot] - c.host_alloc.available_size()
             if short > 0:
-                self.evict_host(**{c.kind: short})
+                self.tree.evict_host(**{c.kind: short})
                 if need[c.slot] > c.host_alloc.available_size():
                     return None
         pairs: dict[str, tuple[list, list]] = {c.name: ([], []) for c in comps}
@@ -73,22 +76,22 @@ class HostTierMixin:
                     continue
                 host = c.host_alloc.alloc(c.amount(x))
                 assert host is not None
-                self.set_host(x, c.slot, host)
+                self.tree.set_host(x, c.slot, host)
                 pairs[c.name][0].append(dev)
                 pairs[c.name][1].append(host)
-            self._update_leaf(x)
+            self.tree._update_leaf(x)
         # A lock on `node` pins FULL down the path but SWA and Mamba only near `node`: the
         # ancestors backed up with it need their own, or their aux slots could be freed and
         # reused while the copy still reads them.
-        chain_locks = tuple(self.lock(x) for x in chain[:-1]) if self.aux else ()
-        return Backup(tuple(chain), _transfers(pairs, "d2h"), self.lock(node), chain_locks)
+        chain_locks = tuple(self.tree.lock(x) for x in chain[:-1]) if self.tree.aux else ()
+        return Backup(tuple(chain), _transfers(pairs, "d2h"), self.tree.lock(node), chain_locks)
 
-    def backup_chain(self: UnifiedRadixTree, node: TreeNode) -> list[TreeNode]:
+    def backup_chain(self, node: TreeNode) -> list[TreeNode]:
         """The nodes a backup of ``node`` copies, top-down: ``node`` and, with backup
         continuity, its ancestors without a host FULL copy; and, within one SWA window of
         ``node``'s end, nodes whose FULL is on host but whose SWA window or Mamba state is on
         device only (an insert restored them after the FULL backup). Empty: nothing to copy."""
-        reach = self.swa.window if self.swa is not None else 0
+        reach = self.tree.swa.window if self.tree.swa is not None else 0
         chain: list[TreeNode] = []
         x, covered = node, 0
         while x.parent is not None:
@@ -96,25 +99,25 @@ class HostTierMixin:
             unbacked = x.host_value[0] is None
             if unbacked or (near and any(
                 x.value[c.slot] is not None and x.host_value[c.slot] is None
-                for c in self.aux if c.host_alloc is not None
+                for c in self.tree.aux if c.host_alloc is not None
             )):
                 chain.append(x)
             elif not near:
                 break
-            if unbacked and not self.backup_continuity:
+            if unbacked and not self.tree.backup_continuity:
                 break
             covered += len(x.key)
             x = x.parent
         chain.reverse()
         return chain
 
-    def finish_backup(self: UnifiedRadixTree, backup: Backup) -> None:
+    def finish_backup(self, backup: Backup) -> None:
         """The D→H copies of ``backup`` are done: drop its device locks."""
         for handle in backup.chain_locks:
-            self.unlock(handle)
-        self.unlock(backup.lock)
+            self.tree.unlock(handle)
+        self.tree.unlock(backup.lock)
 
-    def load_back(self: UnifiedRadixTree, anchor: TreeNode) -> LoadBack | None:
+    def load_back(self, anchor: TreeNode) -> LoadBack | None:
         """Give ``anchor``'s path device slots again (FULL of evicted nodes, host-only SWA within
         one window, the anchor's Mamba state) and commit them; returns the H→D copies, or None
         when there is nothing to load or device space could not be found (nothing changes).
@@ -130,7 +133,7 @@ class HostTierMixin:
             x = x.parent
         to_load.reverse()
         swa_nodes: list[TreeNode] = []
-        swa = self.swa
+        swa = self.tree.swa
         if swa is not None:
             covered, x = 0, anchor
             while x.parent is not None and covered < swa.window:
@@ -140,7 +143,7 @@ class HostTierMixin:
                     swa_nodes.append(x)
                 covered += len(x.key)
                 x = x.parent
-        mamba = self.mamba
+        mamba = self.tree.mamba
         load_mamba = (
             mamba is not None
             and anchor.value[mamba.slot] is None
@@ -148,47 +151,47 @@ class HostTierMixin:
         )
         if not to_load and not swa_nodes and not load_mamba:
             return None
-        pin = self.pin_host(anchor)
-        temp = self.lock(anchor)  # keeps pre-eviction off the device part of the path
+        pin = self.tree.pin_host(anchor)
+        temp = self.tree.lock(anchor)  # keeps pre-eviction off the device part of the path
         taken = self._allocate_load(to_load, swa_nodes, load_mamba)
-        self.unlock(temp)
+        self.tree.unlock(temp)
         if taken is None:
-            self.unpin_host(pin)
+            self.tree.unpin_host(pin)
             return None
         full_slots, mamba_slot = taken
-        pairs: dict[str, tuple[list, list]] = {c.name: ([], []) for c in self.components}
+        pairs: dict[str, tuple[list, list]] = {c.name: ([], []) for c in self.tree.components}
         for x, slots in zip(to_load, full_slots):
-            self.set_device(x, 0, slots)
-            pairs[self.full.name][0].append(slots)
-            pairs[self.full.name][1].append(x.host_value[0])
+            self.tree.set_device(x, 0, slots)
+            pairs[self.tree.full.name][0].append(slots)
+            pairs[self.tree.full.name][1].append(x.host_value[0])
         for x in reversed(swa_nodes):
             swa_slots = swa.translate(x.value[0], f"load-back of {x}")
-            self.set_device(x, swa.slot, swa_slots)
+            self.tree.set_device(x, swa.slot, swa_slots)
             pairs[swa.name][0].append(swa_slots)
             pairs[swa.name][1].append(x.host_value[swa.slot])
         if load_mamba:
-            self.set_device(anchor, mamba.slot, mamba_slot)
+            self.tree.set_device(anchor, mamba.slot, mamba_slot)
             pairs[mamba.name][0].append(mamba_slot)
             pairs[mamba.name][1].append(anchor.host_value[mamba.slot])
         loaded = sum(len(x.key) for x in to_load)
-        return LoadBack(anchor, _transfers(pairs, "h2d"), self.lock(anchor), pin, loaded)
+        return LoadBack(anchor, _transfers(pairs, "h2d"), self.tree.lock(anchor), pin, loaded)
 
     def _allocate_load(
-        self: UnifiedRadixTree, to_load: list[TreeNode], swa_nodes: list[TreeNode], load_mamba: bool
+        self, to_load: list[TreeNode], swa_nodes: list[TreeNode], load_mamba: bool
     ) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
         """Device slots for a load-back, evicting for room; all or nothing."""
-        kv = self.full.device_alloc
-        swa = self.swa
+        kv = self.tree.full.device_alloc
+        swa = self.tree.swa
         full_tokens = sum(len(x.key) for x in to_load)
         full_free = kv.full_available_size() if swa is not None else kv.available_size()
         if full_free < full_tokens:
-            self.evict(full=full_tokens - full_free)
+            self.tree.evict(full=full_tokens - full_free)
         if swa is not None:
             swa_tokens = sum(len(x.key) for x in swa_nodes)
             if kv.swa_available_size() < swa_tokens:
-                self.evict(swa=swa_tokens - kv.swa_available_size())
-        if load_mamba and self.mamba.device_alloc.available_size() < 1:
-            self.evict(mamba=1)
+                self.tree.evict(swa=swa_tokens - kv.swa_available_size())
+        if load_mamba and self.tree.mamba.device_alloc.available_size() < 1:
+            self.tree.evict(mamba=1)
         in_window = {x.id for x in swa_nodes}
         full_slots: list[torch.Tensor] = []
         swa_for: list[TreeNode] = []
@@ -209,7 +212,7 @@ class HostTierMixin:
                         break
                     swa_for.append(x)
         if ok and load_mamba:
-            mamba_slot = self.mamba.device_alloc.alloc(1)
+            mamba_slot = self.tree.mamba.device_alloc.alloc(1)
             ok = mamba_slot is not None
         if ok:
             return full_slots, mamba_slot
@@ -220,7 +223,7 @@ class HostTierMixin:
         return None
 
     def graft_host(
-        self: UnifiedRadixTree,
+        self,
         anchor: TreeNode,
         tokens: Sequence[int],
         host_slots_per_pool: Mapping[str, torch.Tensor],
@@ -248,17 +251,17 @@ class HostTierMixin:
             how many leading tokens the tree already held. When ``end`` is a new node, the tree
             now owns ``slots[present:]`` of every pool given; every other slot stays the caller's.
         """
-        P = self.page_size
+        P = self.tree.page_size
         key = list(tokens)
         total = len(key)
         if total % P:
             raise ValueError(f"tokens: {total} tokens is not a whole number of pages of {P}")
-        comps = {c.name: c for c in self.components}
+        comps = {c.name: c for c in self.tree.components}
         if "kv" not in host_slots_per_pool:
             raise ValueError("host_slots_per_pool: the FULL pool 'kv' is required")
         for name, slots in host_slots_per_pool.items():
             comp = comps.get(name)
-            if comp is None or comp is self.mamba or comp.host_alloc is None:
+            if comp is None or comp is self.tree.mamba or comp.host_alloc is None:
                 raise ValueError(f"host_slots_per_pool: {name!r} is not a per-token host pool")
             if slots.numel() != total:
                 raise ValueError(f"host_slots_per_pool[{name!r}]: {slots.numel()} slots for "
@@ -272,26 +275,26 @@ class HostTierMixin:
                 break
             n = match_len(child.key, key, pos, P)
             if n < len(child.key):
-                child = self.split(child, n)
-            if self.backup_continuity and child.host_value[0] is None:
+                child = self.tree.split(child, n)
+            if self.tree.backup_continuity and child.host_value[0] is None:
                 return None, pos
             node, pos = child, pos + n
         if pos == total:
             return node, pos
-        leaf = TreeNode(key[pos:], node, len(self.components), namespace)
-        node.children[self._child_key(leaf, leaf.key)] = leaf
+        leaf = TreeNode(key[pos:], node, len(self.tree.components), namespace)
+        node.children[self.tree._child_key(leaf, leaf.key)] = leaf
         for name, slots in host_slots_per_pool.items():
-            self.set_host(leaf, comps[name].slot, slots[pos:].clone())
+            self.tree.set_host(leaf, comps[name].slot, slots[pos:].clone())
         if page_hashes is not None:
             leaf.page_hashes = list(page_hashes[pos // P :])
-        self._update_leaf(leaf)
-        self._update_leaf(node)
-        self._touch(leaf)
+        self.tree._update_leaf(leaf)
+        self.tree._update_leaf(node)
+        self.tree._touch(leaf)
         return leaf, pos
 
-    def finish_load_back(self: UnifiedRadixTree, load: LoadBack) -> None:
+    def finish_load_back(self, load: LoadBack) -> None:
         """The H→D copies of ``load`` are done: drop its device lock and host pin."""
-        self.unlock(load.lock)
-        self.unpin_host(load.pin)
+        self.tree.unlock(load.lock)
+        self.tree.unpin_host(load.pin)
         if not load.anchor.attached:
             raise TreeIntegrityError(f"load-back anchor {load.anchor} left the tree mid-copy")

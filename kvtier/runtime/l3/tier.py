@@ -25,16 +25,17 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.l3_backup import BackupJob, BackupWriter
-from kvtier.runtime.l3_pools import L3Pool, namespace_for
-from kvtier.runtime.l3_prefetch import Prefetch, PrefetchWorkers, attach_swa
-from kvtier.runtime.tree_node import TreeNode, page_align
-from kvtier.runtime.tree_types import Backup
+from kvtier.runtime.l3.backup import BackupJob, BackupWriter
+from kvtier.runtime.l3.pools import L3Pool, namespace_for
+from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, attach_swa
+from kvtier.runtime.tp import rank_and_size
+from kvtier.runtime.tree.node import TreeNode, page_align
+from kvtier.runtime.tree.types import Backup
 from kvtier.storage import (
     KeyScope,
     Namespace,
@@ -47,7 +48,10 @@ from kvtier.storage import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.runtime.cache import TieredKVCache
+    from kvtier.runtime.config import CacheConfig
+    from kvtier.runtime.pools.host import HostPool
+    from kvtier.runtime.pools.mamba import MambaHostPool
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
 
 __all__ = ["L3Tier", "Prefetch"]
 
@@ -62,27 +66,32 @@ class L3Tier:
     """Backup and prefetch between a cache's host pools and a storage backend.
 
     Args:
-        cache: the owning cache (its config has ``storage`` set).
-        backend: a backend to use instead of building ``config.storage.backend``.
+        config: the cache's config (``storage`` set).
+        tree: the cache's tree.
+        host_pools: the host pool of each L3 pool name that exists: ``"kv"`` and, where the
+            cache has them, ``"indexer"``, ``"swa"``, ``"mamba"``.
+        tp_group: the CPU group of TP ranks that must agree, or None.
         metrics: the cache's tier metrics; the backend counts its transfers there too.
+        backend: a backend to use instead of building ``config.storage.backend``.
+
+    The controller reports each acknowledged device→host backup to :meth:`on_backup_done`.
     """
 
     def __init__(
         self,
-        cache: TieredKVCache,
+        config: CacheConfig,
+        tree: UnifiedRadixTree,
+        host_pools: Mapping[str, HostPool | MambaHostPool],
+        tp_group,
         metrics: StorageMetrics,
         backend: StorageBackend | None = None,
     ) -> None:
-        cfg = cache.config
+        cfg = config
         st = cfg.storage
         assert st is not None
-        self.cache, self.cfg, self.st, self.tree = cache, cfg, st, cache.tree
-        self.tp_group = cache.controller.tp_group
-        rank, size = 0, 1
-        if self.tp_group is not None:
-            import torch.distributed as dist
-
-            rank, size = dist.get_rank(self.tp_group), dist.get_world_size(self.tp_group)
+        self.cfg, self.st, self.tree = cfg, st, tree
+        self.tp_group = tp_group
+        rank, size = rank_and_size(tp_group)
         self.tp_size = size
         scope = KeyScope.for_namespace(namespace_for(cfg, None, size), rank, size)
         self.owns_backend = backend is None
@@ -98,16 +107,11 @@ class L3Tier:
         self.backend = backend
         self.metrics = metrics
         P, B = cfg.page_size, st.batch_pages
-        self.pools = {"kv": L3Pool("kv", cache.host_full, P, B)}
-        if cache.host_indexer is not None:
-            self.pools["indexer"] = L3Pool("indexer", cache.host_indexer, P, B)
-        if cache.host_swa is not None:
-            self.pools["swa"] = L3Pool("swa", cache.host_swa, P, B)
-        if cache.host_mamba is not None:
-            self.pools["mamba"] = L3Pool("mamba", cache.host_mamba, P, B)
-        self.W = math.ceil(cfg.swa_window / P) if cache.host_swa is not None else 0
+        self.pools = {name: L3Pool(name, host, P, B) for name, host in host_pools.items()}
+        has_swa = "swa" in host_pools
+        self.W = math.ceil(cfg.swa_window / P) if has_swa else 0
         # Pools that need only some pages of a prefix (SWA's window, Mamba's last page).
-        self._trailing = cache.host_swa is not None or cache.host_mamba is not None
+        self._trailing = has_swa or "mamba" in host_pools
         if self.W > B:
             raise ValueError(
                 f"storage.batch_pages={B} is smaller than the SWA window of {self.W} pages"
@@ -130,7 +134,6 @@ class L3Tier:
         self._loading: deque[Prefetch] = deque()
         self._draining: deque[Prefetch] = deque()
         self._voted: tuple[list[Prefetch], list[Prefetch]] = ([], [])
-        cache.controller.on_backup_done = self._on_backup_done
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -155,7 +158,7 @@ class L3Tier:
 
     # -- backup --------------------------------------------------------------------------------
 
-    def _on_backup_done(self, books: Backup, event) -> None:
+    def on_backup_done(self, books: Backup, event) -> None:
         """A D→H copy was acknowledged: queue the L3 write of the path's host pages not yet
         stored, host-pinning every node it reads until the write is done."""
         if not self.st.write_to_storage:

@@ -23,8 +23,8 @@ import torch
 from kvtier.kernels.dispatch import Impl
 from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer
-from kvtier.runtime.allocator import SlotAllocator
-from kvtier.runtime.host_pool import host_size_for
+from kvtier.runtime.pools.allocator import SlotAllocator
+from kvtier.runtime.pools.host import host_size_for
 
 __all__ = ["MambaStateSpec", "MambaDevicePool", "MambaHostPool", "slot_buffers"]
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.components.base import InsertContext, TreeComponent, Validator
+from kvtier.runtime.tree.components.base import InsertContext, TreeComponent, Validator
 
 if TYPE_CHECKING:
-    from kvtier.runtime.allocator import PageAllocator, SWAPageAllocator
-    from kvtier.runtime.tree_node import TreeNode
+    from kvtier.runtime.pools.allocator import PageAllocator, SWAPageAllocator
+    from kvtier.runtime.tree.node import TreeNode
 
 __all__ = ["SWAComponent"]
 

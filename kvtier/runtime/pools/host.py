@@ -3,7 +3,7 @@
 A host pool mirrors a device pool's buffers, layers and item shape in one contiguous tensor
 (pinned when CUDA is present, plain memory otherwise) laid out as ``layer_first``, ``page_first``
 or ``page_first_direct`` (see :mod:`kvtier.kernels.layout`). Slots are handed out in whole pages by
-its own :class:`~kvtier.runtime.allocator.PageAllocator`.
+its own :class:`~kvtier.runtime.pools.allocator.PageAllocator`.
 
 Its size is given as token slots, as bytes, or as a ratio of the device pool; it is rounded down
 to whole pages.
@@ -19,8 +19,8 @@ from kvtier.kernels.dispatch import Impl
 from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer, HostLayout, host_shape
 from kvtier.kernels.pack import pack_pages, unpack_pages
-from kvtier.runtime.allocator import PageAllocator
-from kvtier.runtime.device_pool import DevicePool
+from kvtier.runtime.pools.allocator import PageAllocator
+from kvtier.runtime.pools.device import DevicePool
 
 __all__ = ["HostPool", "host_size_for"]
 

@@ -5,10 +5,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier.runtime.allocator import PageAllocator, SlotAllocator, SWAPageAllocator
-from kvtier.runtime.components import FullComponent, MambaComponent, SWAComponent, TreeComponent
-from kvtier.runtime.tree import UnifiedRadixTree
-from kvtier.runtime.tree_node import TreeNode
+from kvtier.runtime.pools.allocator import PageAllocator, SlotAllocator, SWAPageAllocator
+from kvtier.runtime.tree.components import (
+    FullComponent,
+    MambaComponent,
+    SWAComponent,
+    TreeComponent,
+)
+from kvtier.runtime.tree.evict import Eviction
+from kvtier.runtime.tree.integrity import Integrity
+from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.requests import RequestCache
+from kvtier.runtime.tree.tiers import HostTier
+from kvtier.runtime.tree.tree import UnifiedRadixTree
 
 __all__ = ["TreeConfig", "build_tree"]
 
@@ -88,10 +97,12 @@ def build_tree(
         comps.append(
             MambaComponent("mamba", mamba, host_mamba, page_size=P, chunk_size=cfg.mamba_chunk_size)
         )
-    return UnifiedRadixTree(
+    tree = UnifiedRadixTree(
         comps,
         P,
         eviction_policy=cfg.eviction_policy,
         write_back=write_back,
         backup_continuity=cfg.backup_continuity,
     )
+    tree.attach_parts(Eviction(tree), HostTier(tree), RequestCache(tree), Integrity(tree))
+    return tree

@@ -13,8 +13,11 @@ Books kept here (all recounted by ``check_integrity``):
 Pins are reference counts. A device ``lock`` pins FULL on the whole path to the root (a prefix
 is only usable whole), SWA on one window above the node, and MAMBA on the node itself.
 
-This module holds construction, the books, match, insert, split and pins; eviction, host-tier
-operations, request helpers and the integrity check live in sibling modules as mixins.
+This module holds construction, the books, match, insert, split and pins. Eviction
+(``evict.Eviction``), host-tier books (``tiers.HostTier``), request helpers
+(``requests.RequestCache``) and the integrity check (``integrity.Integrity``) are parts of their
+own that act on these books; ``build_tree`` wires them in, and the methods at the end of the
+class hand their calls on.
 """
 
 from __future__ import annotations
@@ -23,20 +26,19 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from kvtier.runtime.components import (
+from kvtier.runtime.tree.components import (
     FullComponent,
     InsertContext,
     MambaComponent,
     SWAComponent,
     TreeComponent,
 )
-from kvtier.runtime.tree_evict import EvictionMixin
-from kvtier.runtime.tree_integrity import IntegrityMixin
-from kvtier.runtime.tree_node import TreeNode, child_key, match_len, token_list
-from kvtier.runtime.tree_requests import RequestCacheMixin
-from kvtier.runtime.tree_tiers import HostTierMixin
-from kvtier.runtime.tree_types import (
+from kvtier.runtime.tree.node import TreeNode, child_key, match_len, token_list
+from kvtier.runtime.tree.types import (
+    Backup,
+    EvictResult,
     HostPinHandle,
+    LoadBack,
     InsertResult,
     LockHandle,
     MambaCopy,
@@ -49,7 +51,7 @@ __all__ = ["UnifiedRadixTree"]
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, IntegrityMixin):
+class UnifiedRadixTree:
     """Radix tree over page-aligned token keys with pluggable per-node components.
 
     Args:
@@ -114,6 +116,21 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
         self.device_leaves: set[TreeNode] = set()
         self.host_leaves: set[TreeNode] = set()
         self._clock = 0
+
+    def attach_parts(self, eviction, host_tier, requests, integrity) -> None:
+        """The parts that act on this tree's books (``build_tree`` builds and attaches them)."""
+        self.eviction, self.host_tier, self.requests, self.integrity = (
+            eviction, host_tier, requests, integrity
+        )
+
+    def alloc_or_evict(self, comp: TreeComponent, n: int) -> torch.Tensor | None:
+        """``n`` device units of ``comp`` (tokens, or Mamba slots); when the pool is short,
+        evict unpinned data of that component once and try again. None: nothing was taken."""
+        slots = comp.device_alloc.alloc(n)
+        if slots is None:
+            self.evict(**{comp.kind: n})
+            slots = comp.device_alloc.alloc(n)
+        return slots
 
     def _new_root(self) -> TreeNode:
         root = TreeNode([], None, len(self.components))
@@ -431,7 +448,7 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             dst = mamba.device_alloc.alloc(1)
         if dst is None:
             pin = self.lock(node)
-            dst = self._alloc_mamba_slot()
+            dst = self.alloc_or_evict(mamba, 1)
             self.unlock(pin)
             if dst is None:
                 return None
@@ -675,3 +692,62 @@ class UnifiedRadixTree(EvictionMixin, HostTierMixin, RequestCacheMixin, Integrit
             self._unpin_window(handle.node, handle.swa_boundary, handle.swa_skipped, device=False)
         if handle.mamba:
             self.dec_host_lock(handle.node, self.mamba.slot)
+
+    # -- the parts' calls ----------------------------------------------------------------------
+
+    def evict(self, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
+        """See ``Eviction.evict``."""
+        return self.eviction.evict(full, swa, mamba)
+
+    def evict_host(self, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
+        """See ``Eviction.evict_host``."""
+        return self.eviction.evict_host(full, swa, mamba)
+
+    def backup(self, node: TreeNode) -> Backup | None:
+        """See ``HostTier.backup``."""
+        return self.host_tier.backup(node)
+
+    def backup_chain(self, node: TreeNode) -> list[TreeNode]:
+        """See ``HostTier.backup_chain``."""
+        return self.host_tier.backup_chain(node)
+
+    def finish_backup(self, backup: Backup) -> None:
+        """See ``HostTier.finish_backup``."""
+        self.host_tier.finish_backup(backup)
+
+    def load_back(self, anchor: TreeNode) -> LoadBack | None:
+        """See ``HostTier.load_back``."""
+        return self.host_tier.load_back(anchor)
+
+    def finish_load_back(self, load: LoadBack) -> None:
+        """See ``HostTier.finish_load_back``."""
+        self.host_tier.finish_load_back(load)
+
+    def graft_host(self, anchor, tokens, host_slots_per_pool, page_hashes, namespace):
+        """See ``HostTier.graft_host``."""
+        return self.host_tier.graft_host(anchor, tokens, host_slots_per_pool, page_hashes,
+                                         namespace)
+
+    def cache_finished_req(self, req) -> None:
+        """See ``RequestCache.cache_finished_req``."""
+        self.requests.cache_finished_req(req)
+
+    def release_req(self, req) -> None:
+        """See ``RequestCache.release_req``."""
+        self.requests.release_req(req)
+
+    def cache_unfinished_req(self, req, *, donate_mamba: bool = False) -> MambaCopy | None:
+        """See ``RequestCache.cache_unfinished_req``."""
+        return self.requests.cache_unfinished_req(req, donate_mamba=donate_mamba)
+
+    def free_out_of_window(self, req, seqlen: int | None = None) -> int:
+        """See ``RequestCache.free_out_of_window``."""
+        return self.requests.free_out_of_window(req, seqlen)
+
+    def all_nodes(self) -> list[TreeNode]:
+        """See ``Integrity.all_nodes``."""
+        return self.integrity.all_nodes()
+
+    def check_integrity(self, request_owned=None, host_owned=None) -> None:
+        """See ``Integrity.check_integrity``."""
+        self.integrity.check_integrity(request_owned, host_owned)

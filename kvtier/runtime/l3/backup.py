@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.runtime.l3_pools import L3Pool
-from kvtier.runtime.tree_types import HostPinHandle
+from kvtier.runtime.l3.pools import L3Pool
+from kvtier.runtime.tree.types import HostPinHandle
 from kvtier.storage import PoolTransfer, StorageBackend, StorageMetrics
 
 __all__ = ["BackupJob", "BackupWriter"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.runtime.device_pool import DevicePool
+from kvtier.runtime.pools.device import DevicePool
 
 __all__ = ["IndexerDevicePool", "kv_slots_to_pages"]
 

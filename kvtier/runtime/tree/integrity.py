@@ -12,25 +12,28 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.tree_types import TreeIntegrityError
+from kvtier.runtime.tree.types import TreeIntegrityError
 
 if TYPE_CHECKING:
-    from kvtier.runtime.tree import UnifiedRadixTree
-    from kvtier.runtime.tree_node import TreeNode
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
+    from kvtier.runtime.tree.node import TreeNode
 
-__all__ = ["IntegrityMixin"]
+__all__ = ["Integrity"]
 
 
 def _fail(msg: str) -> None:
     raise TreeIntegrityError(msg)
 
 
-class IntegrityMixin:
-    """The integrity check of ``UnifiedRadixTree``."""
+class Integrity:
+    """The integrity check of a tree: its books stay the tree's; this part acts on them."""
 
-    def all_nodes(self: UnifiedRadixTree) -> list[TreeNode]:
+    def __init__(self, tree: UnifiedRadixTree) -> None:
+        self.tree = tree
+
+    def all_nodes(self) -> list[TreeNode]:
         """Every node reachable from the root, root first."""
-        nodes, stack = [], [self.root]
+        nodes, stack = [], [self.tree.root]
         while stack:
             node = stack.pop()
             nodes.append(node)
@@ -38,7 +41,7 @@ class IntegrityMixin:
         return nodes
 
     def check_integrity(
-        self: UnifiedRadixTree,
+        self,
         request_owned: Mapping[str, int] | None = None,
         host_owned: Mapping[str, int] | None = None,
     ) -> None:
@@ -52,32 +55,32 @@ class IntegrityMixin:
         """
         request_owned = request_owned or {}
         host_owned = host_owned or {}
-        root = self.root
+        root = self.tree.root
         if root.value[0] is None or root.lock[0] < 1 or root.key:
             _fail(f"root broken: value={root.value[0]}, lock={root.lock[0]}, key={root.key}")
         nodes = self.all_nodes()
         reachable = set(nodes)
-        n_comp = len(self.components)
+        n_comp = len(self.tree.components)
         evictable, protected = [0] * n_comp, [0] * n_comp
         device_owned = [[] for _ in range(n_comp)]
         host_owned_slots = [[] for _ in range(n_comp)]
         for node in nodes[1:]:
             self._check_node(node, evictable, protected, device_owned, host_owned_slots)
-        if self.swa is not None:
+        if self.tree.swa is not None:
             self._check_swa_translation(nodes[1:])
-        for slot, comp in enumerate(self.components):
-            if (evictable[slot], protected[slot]) != (self.evictable[slot], self.protected[slot]):
+        for slot, comp in enumerate(self.tree.components):
+            if (evictable[slot], protected[slot]) != (self.tree.evictable[slot], self.tree.protected[slot]):
                 _fail(
-                    f"{comp.name}: evictable/protected books {self.evictable[slot]}/"
-                    f"{self.protected[slot]} != recount {evictable[slot]}/{protected[slot]}"
+                    f"{comp.name}: evictable/protected books {self.tree.evictable[slot]}/"
+                    f"{self.tree.protected[slot]} != recount {evictable[slot]}/{protected[slot]}"
                 )
-        for name, leaves in (("device", self.device_leaves), ("host", self.host_leaves)):
+        for name, leaves in (("device", self.tree.device_leaves), ("host", self.tree.host_leaves)):
             stray = [n for n in leaves if n not in reachable]
             if stray:
                 _fail(f"{len(stray)} unreachable nodes in the {name} leaf set, e.g. {stray[0]}")
-        if self.device_leaves & self.host_leaves:
-            _fail(f"{len(self.device_leaves & self.host_leaves)} nodes in both leaf sets")
-        for comp in self.aux:
+        if self.tree.device_leaves & self.tree.host_leaves:
+            _fail(f"{len(self.tree.device_leaves & self.tree.host_leaves)} nodes in both leaf sets")
+        for comp in self.tree.aux:
             for name, lru in (("device", comp.device_lru), ("host", comp.host_lru)):
                 stray = [n for n in lru.values() if n not in reachable]
                 if stray:
@@ -87,15 +90,15 @@ class IntegrityMixin:
         self._check_pools(device_owned, host_owned_slots, request_owned, host_owned)
 
     def _check_node(
-        self: UnifiedRadixTree,
+        self,
         node: TreeNode,
         evictable: list[int],
         protected: list[int],
         device_owned: list[list[torch.Tensor]],
         host_owned: list[list[torch.Tensor]],
     ) -> None:
-        parent, P = node.parent, self.page_size
-        if not node.attached or parent.children.get(self._child_key(node, node.key)) is not node:
+        parent, P = node.parent, self.tree.page_size
+        if not node.attached or parent.children.get(self.tree._child_key(node, node.key)) is not node:
             _fail(f"{node}: not linked from its parent {parent}")
         if not node.key or len(node.key) % P:
             _fail(f"{node}: key length {len(node.key)} is not a positive multiple of P={P}")
@@ -106,13 +109,13 @@ class IntegrityMixin:
         if node.value[0] is not None and parent.value[0] is None:
             _fail(f"{node}: on device under evicted parent {parent}")
         if (
-            self.backup_continuity
+            self.tree.backup_continuity
             and node.host_value[0] is not None
             and parent.parent is not None
             and parent.host_value[0] is None
         ):
             _fail(f"{node}: backed up under unbacked parent {parent}")
-        for comp in self.components:
+        for comp in self.tree.components:
             s = comp.slot
             dev, host = node.value[s], node.host_value[s]
             lock, host_lock = node.lock[s], node.host_lock[s]
@@ -144,34 +147,34 @@ class IntegrityMixin:
                         f"{node}: {comp.name} LRU membership device={in_dev} host={in_host} "
                         f"for data device={dev is not None} host={host is not None}"
                     )
-        if (node in self.device_leaves) != self._is_device_leaf(node):
-            _fail(f"{node}: device leaf set membership {node in self.device_leaves} is stale")
-        if (node in self.host_leaves) != self._is_host_leaf(node):
-            _fail(f"{node}: host leaf set membership {node in self.host_leaves} is stale")
+        if (node in self.tree.device_leaves) != self.tree._is_device_leaf(node):
+            _fail(f"{node}: device leaf set membership {node in self.tree.device_leaves} is stale")
+        if (node in self.tree.host_leaves) != self.tree._is_host_leaf(node):
+            _fail(f"{node}: host leaf set membership {node in self.tree.host_leaves} is stale")
 
-    def _check_swa_translation(self: UnifiedRadixTree, nodes: list[TreeNode]) -> None:
+    def _check_swa_translation(self, nodes: list[TreeNode]) -> None:
         """SWA device slots equal the translation of the node's FULL slots (one batched
         lookup; the failing node is searched only on a mismatch)."""
-        s = self.swa.slot
+        s = self.tree.swa.slot
         with_swa = [n for n in nodes if n.value[s] is not None]
         if not with_swa:
             return
-        expect = self.swa.swa_alloc.translate(torch.cat([n.value[0] for n in with_swa]))
+        expect = self.tree.swa.swa_alloc.translate(torch.cat([n.value[0] for n in with_swa]))
         if torch.equal(expect, torch.cat([n.value[s] for n in with_swa])):
             return
         for node in with_swa:
-            if not torch.equal(self.swa.swa_alloc.translate(node.value[0]), node.value[s]):
+            if not torch.equal(self.tree.swa.swa_alloc.translate(node.value[0]), node.value[s]):
                 _fail(f"{node}: SWA slots differ from the translation of its FULL slots")
 
     def _check_pools(
-        self: UnifiedRadixTree,
+        self,
         device_owned: list[list[torch.Tensor]],
         host_owned: list[list[torch.Tensor]],
         request_owned: Mapping[str, int],
         held_outside: Mapping[str, int],
     ) -> None:
-        kv = self.full.device_alloc
-        for comp in self.components:
+        kv = self.tree.full.device_alloc
+        for comp in self.tree.components:
             s = comp.slot
             for tier, owned, alloc in (
                 ("device", device_owned[s], comp.device_alloc),
@@ -183,15 +186,15 @@ class IntegrityMixin:
                 if torch.unique(slots).numel() != slots.numel():
                     _fail(f"{comp.name} {tier}: a slot is owned by two nodes")
                 pages = alloc
-                if tier == "device" and comp is self.swa:
+                if tier == "device" and comp is self.tree.swa:
                     pages = kv.swa
-                elif tier == "device" and comp is self.full and self.swa is not None:
+                elif tier == "device" and comp is self.tree.full and self.tree.swa is not None:
                     pages = kv.full
                 if slots.numel() and not bool(pages.is_allocated(slots).all()):
                     _fail(f"{comp.name} {tier}: the tree owns slots its allocator has free")
-                if comp is self.swa and tier == "device":
+                if comp is self.tree.swa and tier == "device":
                     used = kv.swa.used_size()
-                    if kv.num_mapped_pages() * self.page_size != used:
+                    if kv.num_mapped_pages() * self.tree.page_size != used:
                         _fail(f"swa: {kv.num_mapped_pages()} mapped pages but {used} slots in use")
                 else:
                     used = alloc.used_size()

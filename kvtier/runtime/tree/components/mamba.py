@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.components.base import Allocator, InsertContext, TreeComponent, Validator
+from kvtier.runtime.tree.components.base import Allocator, InsertContext, TreeComponent, Validator
 
 if TYPE_CHECKING:
-    from kvtier.runtime.tree_node import TreeNode
+    from kvtier.runtime.tree.node import TreeNode
 
 __all__ = ["MambaComponent"]
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvtier.runtime.components.base import InsertContext, TreeBooks, TreeComponent, Validator
-from kvtier.runtime.components.full import FullComponent
-from kvtier.runtime.components.mamba import MambaComponent
-from kvtier.runtime.components.swa import SWAComponent
+from kvtier.runtime.tree.components.base import InsertContext, TreeBooks, TreeComponent, Validator
+from kvtier.runtime.tree.components.full import FullComponent
+from kvtier.runtime.tree.components.mamba import MambaComponent
+from kvtier.runtime.tree.components.swa import SWAComponent
 
 __all__ = [
     "FullComponent",

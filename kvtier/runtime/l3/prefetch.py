@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.runtime.l3_pools import L3Pool
-from kvtier.runtime.tree import UnifiedRadixTree
-from kvtier.runtime.tree_node import TreeNode
-from kvtier.runtime.tree_types import HostPinHandle
+from kvtier.runtime.l3.pools import L3Pool
+from kvtier.runtime.tree.tree import UnifiedRadixTree
+from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.types import HostPinHandle
 from kvtier.storage import ALL_PAGES, TRAILING_PAGES, PoolTransfer, PrefetchOutcome, StorageBackend
 
 __all__ = ["Prefetch", "PrefetchWorkers", "attach_swa"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier.runtime.components.base import TreeComponent, Validator
+from kvtier.runtime.tree.components.base import TreeComponent, Validator
 
 if TYPE_CHECKING:
-    from kvtier.runtime.tree_node import TreeNode
+    from kvtier.runtime.tree.node import TreeNode
 
 __all__ = ["FullComponent"]
 

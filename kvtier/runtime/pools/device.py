@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.kernels.layout import DeviceBuffers
-from kvtier.runtime.allocator import PageAllocator
+from kvtier.runtime.pools.allocator import PageAllocator
 
 __all__ = ["DevicePool", "MHADevicePool", "MLADevicePool"]
 

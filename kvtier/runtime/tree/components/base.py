@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from kvtier.runtime.tree_node import TreeNode
+    from kvtier.runtime.tree.node import TreeNode
 
 __all__ = ["InsertContext", "TreeBooks", "TreeComponent", "Validator"]
 

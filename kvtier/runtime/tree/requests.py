@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.tree_types import InsertResult, LockHandle, MambaCopy
+from kvtier.runtime.tree.types import InsertResult, LockHandle, MambaCopy
 
 if TYPE_CHECKING:
-    from kvtier.runtime.tree import UnifiedRadixTree
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
 
-__all__ = ["CacheRequest", "RequestCacheMixin"]
+__all__ = ["CacheRequest", "RequestCache"]
 
 
 @dataclass
@@ -57,47 +57,57 @@ class CacheRequest:
     last_insert: InsertResult | None = field(default=None, repr=False)
 
 
-class RequestCacheMixin:
-    """``cache_finished_req``, ``cache_unfinished_req`` and ``free_out_of_window``."""
+class RequestCache:
+    """Caching finished and running requests into a tree: its books stay the tree's; this part acts on them."""
 
-    def cache_finished_req(
-        self: UnifiedRadixTree, req: CacheRequest, is_insert: bool = True
-    ) -> None:
+    def __init__(self, tree: UnifiedRadixTree) -> None:
+        self.tree = tree
+
+    def cache_finished_req(self, req: CacheRequest) -> None:
         """Insert the request's page-aligned tokens, free what the tree does not keep, release
         its pin and its Mamba slot (unless the tree adopted it: only when the tokens end on a
-        page boundary). ``is_insert=False`` frees every request-owned slot instead."""
-        kv = self.full.device_alloc
+        page boundary)."""
+        tree = self.tree
         protected = req.cache_protected_len
-        aligned = len(req.token_ids) // self.page_size * self.page_size
-        if is_insert and aligned >= protected:
-            res = self.insert(
-                req.token_ids[:aligned],
-                req.kv_slots[:aligned],
-                prev_prefix_len=protected,
-                swa_evicted_seqlen=min(req.swa_evicted_seqlen, aligned),
-                mamba_value=req.mamba_slot if aligned == len(req.token_ids) else None,
-                priority=req.priority,
-                namespace=req.namespace,
-            )
-            req.last_insert = res
-            if req.kv_slots.numel() > aligned:
-                kv.free(req.kv_slots[aligned:])
-            if req.mamba_slot is not None and not res.mamba_adopted:
-                self.mamba.device_alloc.free(req.mamba_slot)
-        else:
-            if req.kv_slots.numel() > protected:
-                kv.free(req.kv_slots[protected:])
-            if req.mamba_slot is not None:
-                self.mamba.device_alloc.free(req.mamba_slot)
+        aligned = len(req.token_ids) // tree.page_size * tree.page_size
+        if aligned < protected:
+            return self.release_req(req)
+        res = tree.insert(
+            req.token_ids[:aligned],
+            req.kv_slots[:aligned],
+            prev_prefix_len=protected,
+            swa_evicted_seqlen=min(req.swa_evicted_seqlen, aligned),
+            mamba_value=req.mamba_slot if aligned == len(req.token_ids) else None,
+            priority=req.priority,
+            namespace=req.namespace,
+        )
+        req.last_insert = res
+        if req.kv_slots.numel() > aligned:
+            tree.full.device_alloc.free(req.kv_slots[aligned:])
+        if req.mamba_slot is not None and not res.mamba_adopted:
+            tree.mamba.device_alloc.free(req.mamba_slot)
+        self._unpin(req)
+
+    def release_req(self, req: CacheRequest) -> None:
+        """Free every slot the request owns without caching anything (an aborted or failed
+        request), and release its pin."""
+        tree = self.tree
+        if req.kv_slots.numel() > req.cache_protected_len:
+            tree.full.device_alloc.free(req.kv_slots[req.cache_protected_len :])
+        if req.mamba_slot is not None:
+            tree.mamba.device_alloc.free(req.mamba_slot)
+        self._unpin(req)
+
+    def _unpin(self, req: CacheRequest) -> None:
         if req.lock is not None:
-            self.unlock(req.lock)
+            self.tree.unlock(req.lock)
         req.lock = None
         req.mamba_slot = None
         req.kv_slots = req.kv_slots[:0]
         req.cache_protected_len = 0
 
     def cache_unfinished_req(
-        self: UnifiedRadixTree, req: CacheRequest, *, donate_mamba: bool = False
+        self, req: CacheRequest, *, donate_mamba: bool = False
     ) -> MambaCopy | None:
         """Checkpoint a running request (chunked prefill, decode): insert its page-aligned
         tokens, write the tree's slots into ``kv_slots``, move its pin to the new end node and
@@ -115,13 +125,13 @@ class RequestCacheMixin:
         request's slots (its FULL is pinned by another reader), caching stops there and the
         request keeps its own slots, which still carry the SWA data it needs.
         """
-        aligned = len(req.token_ids) // self.page_size * self.page_size
+        aligned = len(req.token_ids) // self.tree.page_size * self.tree.page_size
         if aligned <= req.cache_protected_len:
             return None
         donated = None
         if donate_mamba and req.mamba_slot is not None and aligned == len(req.token_ids):
-            donated = self._alloc_mamba_slot()
-        res = self.insert(
+            donated = self.tree.alloc_or_evict(self.tree.mamba, 1)
+        res = self.tree.insert(
             req.token_ids[:aligned],
             req.kv_slots[:aligned],
             prev_prefix_len=req.cache_protected_len,
@@ -137,7 +147,7 @@ class RequestCacheMixin:
             if res.mamba_adopted:
                 copy = MambaCopy(req.mamba_slot.reshape(1).clone(), donated)
             else:
-                self.mamba.device_alloc.free(donated)
+                self.tree.mamba.device_alloc.free(donated)
         values = []
         x = res.last_node
         while x.parent is not None:
@@ -145,24 +155,15 @@ class RequestCacheMixin:
             x = x.parent
         if values:
             req.kv_slots[: res.cached_len] = torch.cat(values[::-1])
-        new_lock = self.lock(res.last_node)
+        new_lock = self.tree.lock(res.last_node)
         if req.lock is not None:
-            self.unlock(req.lock)
+            self.tree.unlock(req.lock)
         req.lock = new_lock
         req.cache_protected_len = res.cached_len
         return copy
 
-    def _alloc_mamba_slot(self: UnifiedRadixTree) -> torch.Tensor | None:
-        """One Mamba device slot, evicting one unpinned state if the pool is full."""
-        pool = self.mamba.device_alloc
-        slot = pool.alloc(1)
-        if slot is None:
-            self.evict(mamba=1)
-            slot = pool.alloc(1)
-        return slot
-
     def free_out_of_window(
-        self: UnifiedRadixTree, req: CacheRequest, seqlen: int | None = None
+        self, req: CacheRequest, seqlen: int | None = None
     ) -> int:
         """Free the request's own SWA slots that no later position can read; advances
         ``swa_evicted_seqlen``. Returns SWA tokens freed.
@@ -174,13 +175,13 @@ class RequestCacheMixin:
         A request therefore holds at most ``ceil(window / P) * P`` + one page of SWA slots, plus
         the slots of the positions it is computing.
         """
-        P = self.page_size
+        P = self.tree.page_size
         n = len(req.token_ids) if seqlen is None else seqlen
-        tail = -(-self.swa.window // P) * P
+        tail = -(-self.tree.swa.window // P) * P
         new = max(0, n // P * P - tail)
         start = max(req.swa_evicted_seqlen, req.cache_protected_len)
         freed = 0
         if new > start:
-            freed = self.full.device_alloc.free_swa(req.kv_slots[start:new])
+            freed = self.tree.full.device_alloc.free_swa(req.kv_slots[start:new])
         req.swa_evicted_seqlen = max(req.swa_evicted_seqlen, new)
         return freed

@@ -24,20 +24,23 @@ import heapq
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
-from kvtier.runtime.tree_types import EvictResult, TreeIntegrityError
+from kvtier.runtime.tree.types import EvictResult, TreeIntegrityError
 
 if TYPE_CHECKING:
-    from kvtier.runtime.components import TreeComponent
-    from kvtier.runtime.tree import UnifiedRadixTree
-    from kvtier.runtime.tree_node import TreeNode
+    from kvtier.runtime.tree.components import TreeComponent
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
+    from kvtier.runtime.tree.node import TreeNode
 
-__all__ = ["EvictionMixin"]
+__all__ = ["Eviction"]
 
 
-class EvictionMixin:
-    """Eviction methods of ``UnifiedRadixTree``."""
+class Eviction:
+    """Device and host eviction of a tree: its books stay the tree's; this part acts on them."""
 
-    def evict(self: UnifiedRadixTree, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
+    def __init__(self, tree: UnifiedRadixTree) -> None:
+        self.tree = tree
+
+    def evict(self, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
         """Free at least the requested device amounts where unpinned data allows.
 
         Args:
@@ -45,79 +48,79 @@ class EvictionMixin:
         Returns:
             device amounts freed per component (demoted data counts as freed).
         """
-        freed = [0] * len(self.components)
-        with self.full.device_alloc.batched_free():
+        freed = [0] * len(self.tree.components)
+        with self.tree.full.device_alloc.batched_free():
             if full > 0:
                 self._evict_full_device(full, freed)
-            if swa > 0 and self.swa is not None:
-                self._evict_aux_device(self.swa, swa, freed)
-            if mamba > 0 and self.mamba is not None:
-                self._evict_aux_device(self.mamba, mamba, freed)
+            if swa > 0 and self.tree.swa is not None:
+                self._evict_aux_device(self.tree.swa, swa, freed)
+            if mamba > 0 and self.tree.mamba is not None:
+                self._evict_aux_device(self.tree.mamba, mamba, freed)
         return self._evict_result(freed)
 
     def evict_host(
-        self: UnifiedRadixTree, full: int = 0, swa: int = 0, mamba: int = 0
+        self, full: int = 0, swa: int = 0, mamba: int = 0
     ) -> EvictResult:
         """Free at least the requested host amounts where unpinned host data allows."""
-        freed = [0] * len(self.components)
-        with self.full.host_alloc.batched_free() if self.full.host_alloc else nullcontext():
+        freed = [0] * len(self.tree.components)
+        with self.tree.full.host_alloc.batched_free() if self.tree.full.host_alloc else nullcontext():
             self._evict_host_tiers(full, swa, mamba, freed)
         return self._evict_result(freed)
 
     def _evict_host_tiers(
-        self: UnifiedRadixTree, full: int, swa: int, mamba: int, freed: list[int]
+        self, full: int, swa: int, mamba: int, freed: list[int]
     ) -> None:
         if full > 0:
             self._evict_full_host(full, freed)
-        if swa > 0 and self.swa is not None:
-            self._evict_aux_host(self.swa, swa, freed)
-        if mamba > 0 and self.mamba is not None:
-            self._evict_aux_host(self.mamba, mamba, freed)
+        if swa > 0 and self.tree.swa is not None:
+            self._evict_aux_host(self.tree.swa, swa, freed)
+        if mamba > 0 and self.tree.mamba is not None:
+            self._evict_aux_host(self.tree.mamba, mamba, freed)
 
-    def _evict_result(self: UnifiedRadixTree, freed: list[int]) -> EvictResult:
-        swa = freed[self.swa.slot] if self.swa is not None else 0
-        mamba = freed[self.mamba.slot] if self.mamba is not None else 0
+    def _evict_result(self, freed: list[int]) -> EvictResult:
+        swa = freed[self.tree.swa.slot] if self.tree.swa is not None else 0
+        mamba = freed[self.tree.mamba.slot] if self.tree.mamba is not None else 0
         return EvictResult(freed[0], swa, mamba)
 
-    def _leaf_order(self: UnifiedRadixTree, node: TreeNode) -> tuple:
-        if self.eviction_policy == "priority":
+    def _leaf_order(self, node: TreeNode) -> tuple:
+        if self.tree.eviction_policy == "priority":
             return (node.priority, node.last_access, node.id)
         return (node.last_access, node.id)
 
     # -- device --------------------------------------------------------------------------------
 
-    def _evict_full_device(self: UnifiedRadixTree, target: int, freed: list[int]) -> None:
-        heap = [(self._leaf_order(n), n) for n in self.device_leaves]
+    def _evict_full_device(self, target: int, freed: list[int]) -> None:
+        heap = [(self._leaf_order(n), n) for n in self.tree.device_leaves]
         heapq.heapify(heap)
         while freed[0] < target and heap:
             _, node = heapq.heappop(heap)
-            if node not in self.device_leaves:
+            if node not in self.tree.device_leaves:
                 continue  # already gone, or pinned since the heap was built
             parent = node.parent
-            if self._evict_device_leaf(node, freed) and parent in self.device_leaves:
+            if self._evict_device_leaf(node, freed) and parent in self.tree.device_leaves:
                 heapq.heappush(heap, (self._leaf_order(parent), parent))
 
-    def _evict_device_leaf(self: UnifiedRadixTree, node: TreeNode, freed: list[int]) -> bool:
+    def _evict_device_leaf(self, node: TreeNode, freed: list[int]) -> bool:
         """Evict a device leaf with all components; False if it must stay (write-back failed)."""
         # Never demote data that has no host copy (#27108): a failed backup keeps the node.
         if (
             node.host_value[0] is None
-            and self.write_back is not None
-            and (not self.write_back(node) or node.host_value[0] is None)
+            and self.tree.write_back is not None
+            and (not self.tree.write_back(node) or node.host_value[0] is None)
         ):
             return False
-        for comp in reversed(self.aux):
+        for comp in reversed(self.tree.aux):
             if node.value[comp.slot] is not None:
-                freed[comp.slot] += self.clear_device(node, comp.slot)
-        freed[0] += self.clear_device(node, 0)
+                freed[comp.slot] += self.tree.clear_device(node, comp.slot)
+        freed[0] += self.tree.clear_device(node, 0)
         if node.host_value[0] is None:
             if node.children:
                 raise TreeIntegrityError(f"deleting unbacked {node} that has children")
-            self._detach(node)
+            self.tree._detach(node)
         return True
 
     def _evict_aux_device(
-        self: UnifiedRadixTree, comp: TreeComponent, target: int, freed: list[int]
+        self, comp: TreeComponent, target: int, freed: list[int]
     ) -> None:
         s = comp.slot
         for node in list(comp.device_lru.values()):
@@ -125,16 +128,16 @@ class EvictionMixin:
                 break
             if node.value[s] is None or node.lock[s] or not node.attached:
                 continue
-            if node in self.device_leaves and self._evict_device_leaf(node, freed):
+            if node in self.tree.device_leaves and self._evict_device_leaf(node, freed):
                 continue
             self._tombstone(node, comp, freed, host=False)
 
     def _tombstone(
-        self: UnifiedRadixTree, node: TreeNode, comp: TreeComponent, freed: list[int], host: bool
+        self, node: TreeNode, comp: TreeComponent, freed: list[int], host: bool
     ) -> None:
         """Drop ``comp``'s data on one tier of ``node`` and cascade to lower-priority components."""
         victims = []
-        for other in self.aux:
+        for other in self.tree.aux:
             if other.internal_priority > comp.internal_priority:
                 continue
             data = node.host_value if host else node.value
@@ -149,32 +152,32 @@ class EvictionMixin:
             victims.append(other.slot)
         for slot in victims:
             if host:
-                freed[slot] += self.clear_host(node, slot)
+                freed[slot] += self.tree.clear_host(node, slot)
             else:
-                freed[slot] += self.clear_device(node, slot)
+                freed[slot] += self.tree.clear_device(node, slot)
 
     # -- host ----------------------------------------------------------------------------------
 
-    def _evict_full_host(self: UnifiedRadixTree, target: int, freed: list[int]) -> None:
-        heap = [(self._leaf_order(n), n) for n in self.host_leaves]
+    def _evict_full_host(self, target: int, freed: list[int]) -> None:
+        heap = [(self._leaf_order(n), n) for n in self.tree.host_leaves]
         heapq.heapify(heap)
         while freed[0] < target and heap:
             _, node = heapq.heappop(heap)
-            if node not in self.host_leaves:
+            if node not in self.tree.host_leaves:
                 continue
             parent = node.parent
             self._evict_host_leaf(node, freed)
-            if parent in self.host_leaves:
+            if parent in self.tree.host_leaves:
                 heapq.heappush(heap, (self._leaf_order(parent), parent))
 
-    def _evict_host_leaf(self: UnifiedRadixTree, node: TreeNode, freed: list[int]) -> None:
-        for comp in self.components:
+    def _evict_host_leaf(self, node: TreeNode, freed: list[int]) -> None:
+        for comp in self.tree.components:
             if node.host_value[comp.slot] is not None:
-                freed[comp.slot] += self.clear_host(node, comp.slot)
-        self._detach(node)
+                freed[comp.slot] += self.tree.clear_host(node, comp.slot)
+        self.tree._detach(node)
 
     def _evict_aux_host(
-        self: UnifiedRadixTree, comp: TreeComponent, target: int, freed: list[int]
+        self, comp: TreeComponent, target: int, freed: list[int]
     ) -> None:
         s = comp.slot
         for node in list(comp.host_lru.values()):
@@ -182,7 +185,7 @@ class EvictionMixin:
                 break
             if node.host_value[s] is None or node.host_lock[s] or not node.attached:
                 continue
-            if node in self.host_leaves:
+            if node in self.tree.host_leaves:
                 self._evict_host_leaf(node, freed)
             else:
                 self._tombstone(node, comp, freed, host=True)
