@@ -172,7 +172,7 @@ class TieredKVCache:
             priority=priority,
         )
         node = m.last_device_node
-        req.lock = tree.lock(node) if node is not tree.root else None
+        req.pin = tree.pin(node) if node is not tree.root else None
         req.device_hit = req.cache_protected_len = m.device_len
         if (
             m.best_match_node is not node
@@ -182,10 +182,10 @@ class TieredKVCache:
             books = self.controller.load_back(m.best_match_node)
             if books is not None:
                 node = m.best_match_node
-                lock = tree.lock(node)
-                if req.lock is not None:
-                    tree.unlock(req.lock)
-                req.lock = lock
+                lock = tree.pin(node)
+                if req.pin is not None:
+                    tree.unpin(req.pin)
+                req.pin = lock
                 req.kv_slots = _path_slots(node)
                 req.host_hit = req.kv_slots.numel() - req.device_hit
                 req.cache_protected_len = req.kv_slots.numel()
@@ -198,8 +198,8 @@ class TieredKVCache:
             try:
                 self._give_mamba_state(req, node)
             except RuntimeError:
-                if req.lock is not None:  # the request never started: release its pin
-                    tree.unlock(req.lock)
+                if req.pin is not None:  # the request never started: release its pin
+                    tree.unpin(req.pin)
                 raise
         req.computed_len = req.cached_len
         self.counters.requests += 1
@@ -408,11 +408,11 @@ class TieredKVCache:
             if n <= len(req.token_ids):
                 self.cache_unfinished_req(req)
             self.tree.free_out_of_window(req, n)
-        lock = req.lock
+        lock = req.pin
         if lock is not None and lock.swa_boundary is not None and (
             n - self.config.swa_window >= req.cache_protected_len
         ):
-            req.lock = self.tree.unlock_swa(lock)
+            req.pin = self.tree.unpin_swa(lock)
 
     def _check_end(self, req: Request, end: int, arg: str) -> None:
         if type(end) is not int:

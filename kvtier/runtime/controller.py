@@ -28,8 +28,8 @@ import torch
 
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.tp import all_reduce_max, all_reduce_min
-from kvtier.runtime.tree.tree import UnifiedRadixTree
 from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.tree import UnifiedRadixTree
 from kvtier.runtime.tree.types import Backup, LoadBack
 
 __all__ = ["CacheController", "PoolBinding", "TransferStats"]

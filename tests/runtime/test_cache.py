@@ -187,7 +187,7 @@ def test_failed_reserve_evicts_nothing_and_abort_releases_everything():
     first = run_turn(cache, list(range(20)))
     del first
     req = cache.match(list(range(20)) + [99])
-    assert req.device_hit > 0 and req.lock is not None
+    assert req.device_hit > 0 and req.pin is not None
     free_before = cache.kv_alloc.available_size()
     with pytest.raises(RuntimeError, match="device KV pool exhausted"):
         cache.reserve(req, 10_000)
@@ -195,7 +195,7 @@ def test_failed_reserve_evicts_nothing_and_abort_releases_everything():
     assert cache.counters.evicted_tokens == 0
     cache.abort(req)
     assert not cache.requests, "the aborted request is still registered"
-    assert all(n.lock == [0] * len(n.lock) for n in cache.tree.all_nodes()[1:]), "a pin leaked"
+    assert all(n.pins == [0] * len(n.pins) for n in cache.tree.all_nodes()[1:]), "a pin leaked"
     cache.check_integrity()
     # reserve evicts only the shortfall
     for i in range(4):

@@ -58,7 +58,7 @@ def books(cache: TieredKVCache) -> dict:
     out = {
         "kv_free": a.full_available_size() if cache.swa_pool is not None else a.available_size(),
         "host_free": t.full.host_alloc.available_size(),
-        "nodes": sorted((n.id, n.lock[:], n.host_lock[:]) for n in t.all_nodes()),
+        "nodes": sorted((n.id, n.pins[:], n.host_pins[:]) for n in t.all_nodes()),
         "evictable": list(t.evictable),
         "protected": list(t.protected),
         "counters": cache.counters.as_dict(),

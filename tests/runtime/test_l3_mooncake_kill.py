@@ -86,7 +86,7 @@ def test_mooncake_master_killed_inside_a_backup_batch(fresh_master):
     assert not l3._pending and not l3._backups
 
     # Pins released: every node's host copy can go, and the books balance.
-    assert all(lock == 0 for n in tree.all_nodes() for lock in n.host_lock)
+    assert all(lock == 0 for n in tree.all_nodes() for lock in n.host_pins)
     cache.check_integrity()
     cache.evict(cache.config.device_tokens)  # host-only now: host eviction may take it all
     tree.evict_host(full=10**6, swa=10**6)

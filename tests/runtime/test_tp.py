@@ -29,7 +29,7 @@ def fingerprint(cache: TieredKVCache) -> list:
             tuple(node.key),
             tuple(v is not None for v in node.value),
             tuple(h is not None for h in node.host_value),
-            tuple(node.lock),
+            tuple(node.pins),
         ))
     return out
 

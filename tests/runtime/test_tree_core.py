@@ -51,13 +51,13 @@ def test_lock_protects_and_unlock_releases(h: Harness) -> None:
     h.insert(A)
     assert h.tree.evictable[0] == len(A)
     m = h.tree.match_prefix(A)
-    handle = h.tree.lock(m.last_device_node)
+    handle = h.tree.pin(m.last_device_node)
     assert handle.delta == len(A)
     assert h.tree.evictable[0] == 0 and h.tree.protected[0] == len(A)
     assert h.tree.evict(full=10**6).full == 0
     assert h.device_len(A) == len(A)
     h.check()
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     h.check()
     freed = h.tree.evict(full=10**6)
     assert freed.full == len(A)
@@ -92,12 +92,12 @@ def test_prev_prefix_len_frees_each_duplicate_once(h: Harness) -> None:
     h.check()
     m = h.tree.match_prefix(T[: 2 * P])
     assert m.device_len == 2 * P
-    handle = h.tree.lock(m.last_device_node)
+    handle = h.tree.pin(m.last_device_node)
     value = torch.cat([m.device_indices, h.alloc(P)])
     free_before = full_free(h)
     h.tree.insert(T, value, prev_prefix_len=2 * P)
     assert full_free(h) == free_before  # nothing duplicated, nothing freed
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     h.check()
 
 
@@ -168,14 +168,14 @@ def test_cache_unfinished_req(h: Harness) -> None:
     h.tree.cache_unfinished_req(req)
     h.check()
     assert req.cache_protected_len == 2 * P
-    assert req.lock is not None and req.lock.node.end == 2 * P
+    assert req.pin is not None and req.pin.node.end == 2 * P
     assert h.tree.protected[0] == 2 * P
     req.token_ids += h.tokens(1)
     req.kv_slots = torch.cat([req.kv_slots, h.alloc(P)])
     h.check()
     h.tree.cache_unfinished_req(req)
     assert req.cache_protected_len == 3 * P
-    assert torch.equal(req.kv_slots, torch.cat(_path_values(req.lock.node)))
+    assert torch.equal(req.kv_slots, torch.cat(_path_values(req.pin.node)))
     h.check()
     h.tree.cache_finished_req(req)
     h.requests.remove(req)
@@ -241,10 +241,10 @@ def test_locked_branch_keeps_shared_prefix() -> None:
     base, b1, b2 = h.tokens(2), h.tokens(1), h.tokens(1)
     h.insert(base + b1)
     h.insert(base + b2)
-    handle = h.tree.lock(h.tree.match_prefix(base + b1).last_device_node)
+    handle = h.tree.pin(h.tree.match_prefix(base + b1).last_device_node)
     freed = h.tree.evict(full=10**6)
     assert freed.full == len(b2)
     assert h.device_len(base + b1) == len(base + b1)
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     assert h.tree.evict(full=10**6).full == len(base + b1)
     h.check()

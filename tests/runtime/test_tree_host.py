@@ -50,7 +50,7 @@ def test_two_anchors_and_load_back(h: Harness) -> None:
     base, tail = h.tokens(2), h.tokens(2)
     h.insert(base)
     leaf = backed_up_leaf(h, base + tail)
-    handle = h.tree.lock(h.tree.match_prefix(base).last_device_node)
+    handle = h.tree.pin(h.tree.match_prefix(base).last_device_node)
     h.tree.evict(full=10**6)
     m = h.tree.match_prefix(base + tail)
     assert m.device_len == len(base) and m.best_match_node is leaf
@@ -66,7 +66,7 @@ def test_two_anchors_and_load_back(h: Harness) -> None:
     assert h.tree.evict(full=10**6).full == 0  # the loaded path is pinned mid-copy
     assert h.tree.evict_host(full=10**6).full == 0  # and so is its host copy
     h.tree.finish_load_back(lb)
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     m = h.tree.match_prefix(base + tail)
     assert m.device_len == len(base + tail) and m.host_hit_length == 0
     h.check()
@@ -92,13 +92,13 @@ def test_lock_on_evicted_node_skips_and_survives_load_back(h: Harness) -> None:
     leaf = backed_up_leaf(h, base + tail)
     h.tree.evict(full=len(tail))
     assert leaf.evicted and not leaf.parent.evicted
-    handle = h.tree.lock(leaf)  # skips the evicted bottom, pins the device ancestors
-    assert handle.full_end == leaf.start and leaf.lock[0] == 0
+    handle = h.tree.pin(leaf)  # skips the evicted bottom, pins the device ancestors
+    assert handle.full_end == leaf.start and leaf.pins[0] == 0
     lb = h.tree.load_back(leaf)
     h.tree.finish_load_back(lb)
     assert not leaf.evicted
-    h.tree.unlock(handle)  # must not decrement the restored leaf
-    assert all(x == 0 for x in leaf.lock)
+    h.tree.unpin(handle)  # must not decrement the restored leaf
+    assert all(x == 0 for x in leaf.pins)
     h.check()
 
 
@@ -107,8 +107,8 @@ def test_swa_only_host_copy_gives_swa_host_hit() -> None:
     A, B = h.tokens(2), h.tokens(2)
     h.insert(A)
     leaf = backed_up_leaf(h, A + B)
-    handle = h.tree.lock(leaf)
-    handle = h.tree.unlock_swa(handle)
+    handle = h.tree.pin(leaf)
+    handle = h.tree.unpin_swa(handle)
     h.tree.evict(swa=10**6)
     assert leaf.value[1] is None and leaf.host_value[1] is not None
     m = h.tree.match_prefix(A + B)
@@ -118,7 +118,7 @@ def test_swa_only_host_copy_gives_swa_host_hit() -> None:
     assert lb is not None and lb.loaded_tokens == 0
     assert [t.pool for t in lb.transfers] == ["swa"]
     h.tree.finish_load_back(lb)
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     assert h.tree.match_prefix(A + B).last_device_node is leaf
     h.check()
 

@@ -44,7 +44,7 @@ def test_cow_match_gives_the_request_its_own_slot(P: int, W: int | None) -> None
     assert m.device_len == len(A) and m.mamba_cow is not None
     assert torch.equal(m.mamba_cow.src, src) and int(m.mamba_cow.dst) != int(src)
     assert pool.available_size() == free - 1 and bool(pool.is_allocated(m.mamba_cow.dst).all())
-    lock = h.tree.lock(m.last_device_node)
+    lock = h.tree.pin(m.last_device_node)
     req = CacheRequest(list(A), m.device_indices, len(A), lock, mamba_slot=m.mamba_cow.dst)
     h.requests.append(req)
     h.check()  # the new slot is the request's, the source still the tree's
@@ -63,14 +63,14 @@ def test_cow_copy_gives_the_request_the_anchor_state_and_leaves_the_tree_copy_al
         t.normal_()
     ref = [t[:, src].clone() for t in pool.tensors]
     m = h.tree.match_prefix(A, cow_mamba=True)
-    lock = h.tree.lock(m.last_device_node)
+    lock = h.tree.pin(m.last_device_node)
     pool.copy_slots(m.mamba_cow.src, m.mamba_cow.dst)
     dst = int(m.mamba_cow.dst)
     for t, r in zip(pool.tensors, ref, strict=True):
         assert torch.equal(t[:, dst], r)
         t[:, dst] += 1  # the request advances its own copy
         assert torch.equal(t[:, src], r), "the tree's state changed with the request's copy"
-    h.tree.unlock(lock)
+    h.tree.unpin(lock)
     h.tree.mamba.device_alloc.free(m.mamba_cow.dst)
     h.check()
 
@@ -106,7 +106,7 @@ def test_cow_on_a_full_pool_evicts_another_state_not_the_source(P: int, W: int |
     src = int(anchor.value[h.tree.mamba.slot])
     cow = h.tree.mamba_copy_on_write(anchor)
     assert cow is not None and int(cow.src) == src and int(cow.dst) != src
-    assert int(anchor.value[h.tree.mamba.slot]) == src and anchor.lock[0] == 0
+    assert int(anchor.value[h.tree.mamba.slot]) == src and anchor.pins[0] == 0
     assert sum(n.value[h.tree.mamba.slot] is None for n in others) == 1
     h.tree.mamba.device_alloc.free(cow.dst)
     h.check()
@@ -158,17 +158,17 @@ def test_unfinished_req_donates_a_copy_of_its_state(P: int, W: int | None) -> No
     free = pool.available_size()
     copy = h.tree.cache_unfinished_req(req, donate_mamba=True)
     assert copy is not None and torch.equal(copy.src, req.mamba_slot)
-    first = req.lock.node
+    first = req.pin.node
     assert torch.equal(first.value[s], copy.dst) and int(copy.dst) != int(req.mamba_slot)
-    assert pool.available_size() == free - 1 and first.lock[s] == 1
+    assert pool.available_size() == free - 1 and first.pins[s] == 1
     assert h.device_len(T) == len(T)
     h.check()
     # Decode moves on by a page: a second checkpoint on the new end node.
     req.token_ids += h.tokens(1)
     req.kv_slots = torch.cat([req.kv_slots, h.alloc(P)])
     copy = h.tree.cache_unfinished_req(req, donate_mamba=True)
-    assert copy is not None and req.lock.node is not first
-    assert torch.equal(req.lock.node.value[s], copy.dst) and first.lock[s] == 0
+    assert copy is not None and req.pin.node is not first
+    assert torch.equal(req.pin.node.value[s], copy.dst) and first.pins[s] == 0
     h.check()
     # A second request on the same tokens donates nothing: the node has a state.
     twin = CacheRequest(list(req.token_ids), h.alloc(len(req.token_ids)), mamba_slot=h.mamba_slot())

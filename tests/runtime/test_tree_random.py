@@ -98,12 +98,12 @@ class Sim:
         cow = self.tree.mamba is not None and self.rng.random() < 0.5
         if cow:
             m = self.match(toks, cow=True)
-        handle = self.tree.lock(m.last_device_node)
+        handle = self.tree.pin(m.last_device_node)
         need = -(-(len(toks) - m.device_len) // self.P) * self.P
         slots = self.alloc(need)
         mamba_slot = m.mamba_cow.dst if m.mamba_cow is not None else None
         if slots is None:
-            self.tree.unlock(handle)
+            self.tree.unpin(handle)
             if mamba_slot is not None:
                 self.tree.mamba.device_alloc.free(mamba_slot)
             return
@@ -158,8 +158,8 @@ class Sim:
         elif op < 0.50 and tree.swa is not None:
             req = rng.choice(reqs)
             tree.free_out_of_window(req)
-            if req.lock is not None and rng.random() < 0.5:
-                req.lock = tree.unlock_swa(req.lock)
+            if req.pin is not None and rng.random() < 0.5:
+                req.pin = tree.unpin_swa(req.pin)
             self.bump("swa_release")
         elif op < 0.52:
             tree.evict(full=rng.randint(1, 16) * self.P, swa=rng.randint(0, 8) * self.P,

@@ -75,7 +75,7 @@ def test_swa_locked_tombstone_is_not_restored(P: int, W: int, mamba: bool) -> No
     h = Harness(P, W, mamba)
     T = h.tokens(1)
     res = insert(h, T, swa_request(h, T, len(T)), swa_evicted_seqlen=len(T))
-    handle = h.tree.lock(res.last_node)
+    handle = h.tree.pin(res.last_node)
     old = res.last_node.value[0].clone()
     free_before = h.kv.full_available_size()
     h.tree.insert(T, h.alloc(len(T)))
@@ -89,7 +89,7 @@ def test_swa_locked_tombstone_is_not_restored(P: int, W: int, mamba: bool) -> No
     h.tree.cache_unfinished_req(req)
     assert req.cache_protected_len == 0 and torch.equal(req.kv_slots, fresh)
     h.check()
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     h.tree.cache_finished_req(req)
     h.requests.remove(req)
     assert res.last_node.value[1] is not None  # restored once unpinned
@@ -103,10 +103,10 @@ def test_swa_leaf_cap_pins_one_window(P: int, W: int, mamba: bool) -> None:
     T = h.tokens(n // P)
     res = h.insert(T)
     assert len(res.last_node.key) == h.tail
-    handle = h.tree.lock(h.tree.match_prefix(T).last_device_node)
+    handle = h.tree.pin(h.tree.match_prefix(T).last_device_node)
     assert h.tree.protected[1] == h.tail
     assert h.tree.protected[0] == n
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     short = h.tokens(1)
     assert len(h.insert(short).last_node.key) == P  # shorter than a window: not split
     h.check()
@@ -118,7 +118,7 @@ def test_swa_eviction_tombstones_internal_and_cascades(P: int, W: int, mamba: bo
     A, B = h.tokens(h.tail // P), h.tokens(h.tail // P)
     h.insert(A)
     h.insert(A + B)
-    handle = h.tree.lock(h.tree.match_prefix(A + B).last_device_node)
+    handle = h.tree.pin(h.tree.match_prefix(A + B).last_device_node)
     freed = h.tree.evict(swa=len(A))
     a_node = h.tree.match_prefix(A).last_device_node
     assert freed.swa == len(A)
@@ -127,7 +127,7 @@ def test_swa_eviction_tombstones_internal_and_cascades(P: int, W: int, mamba: bo
     if mamba:
         assert freed.mamba == 1 and a_node.value[2] is None  # cascade SWA > MAMBA
     h.check()
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     h.check()
 
 
@@ -136,9 +136,9 @@ def test_full_leaf_eviction_frees_swa_and_window_pin_protects(P: int, W: int, ma
     h = Harness(P, W, mamba)
     T = h.tokens(h.tail // P)
     h.insert(T)
-    handle = h.tree.lock(h.tree.match_prefix(T).last_device_node)
+    handle = h.tree.pin(h.tree.match_prefix(T).last_device_node)
     assert h.tree.evict(swa=10**6).swa == 0
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     freed = h.tree.evict(full=10**6)
     assert (freed.full, freed.swa, freed.mamba) == (len(T), len(T), int(mamba))
     assert h.kv.swa_available_size() == h.kv.swa.size
@@ -150,14 +150,14 @@ def test_aux_eviction_on_full_locked_leaf_tombstones_only(P: int, W: int, mamba:
     h = Harness(P, W, mamba)
     T = h.tokens(h.tail // P)
     leaf = h.insert(T).last_node
-    handle = h.tree.lock(leaf)
-    handle = h.tree.unlock_swa(handle)  # FULL stays pinned, SWA (and Mamba) released
-    assert leaf.lock[0] == 1 and leaf.lock[1] == 0
+    handle = h.tree.pin(leaf)
+    handle = h.tree.unpin_swa(handle)  # FULL stays pinned, SWA (and Mamba) released
+    assert leaf.pins[0] == 1 and leaf.pins[1] == 0
     freed = h.tree.evict(swa=10**6)
     assert freed.swa == len(T) and freed.full == 0
     assert leaf.value[1] is None and leaf.id not in h.tree.swa.device_lru
     h.check()
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     h.check()
 
 
@@ -225,12 +225,12 @@ def test_stranded_mamba_pin_raises_in_cascade(P: int, W: int) -> None:
     leaf = h.insert(A + B).last_node
     internal = leaf.parent
     m = h.tree.mamba.slot
-    internal.lock[0] += 1
-    internal.lock[m] += 1  # a Mamba-only pin without the SWA window: stranded
+    internal.pins[0] += 1
+    internal.pins[m] += 1  # a Mamba-only pin without the SWA window: stranded
     with pytest.raises(TreeIntegrityError, match="stranded"):
         h.tree.evict(swa=len(A))
-    leaf.lock[0] += 1
-    leaf.lock[m] += 1
+    leaf.pins[0] += 1
+    leaf.pins[m] += 1
     h.tree.evict_host()
     with pytest.raises(TreeIntegrityError, match="stranded"):
         h.tree.eviction._tombstone(leaf, h.tree.swa, [0, 0, 0], host=False)
@@ -241,14 +241,14 @@ def test_early_swa_release_drops_mamba_pin_keeps_full() -> None:
     A, B = h.tokens(8), h.tokens(2)
     h.insert(A)
     h.insert(A + B)
-    handle = h.tree.lock(h.tree.match_prefix(A).last_device_node)
+    handle = h.tree.pin(h.tree.match_prefix(A).last_device_node)
     node = handle.node
-    assert handle.mamba and node.lock[2] == 1
-    handle = h.tree.unlock_swa(handle)
-    assert node.lock == [1, 0, 0]
+    assert handle.mamba and node.pins[2] == 1
+    handle = h.tree.unpin_swa(handle)
+    assert node.pins == [1, 0, 0]
     h.tree.evict(full=len(B))
     freed = h.tree.evict(swa=10**6)
     assert freed.swa >= len(A) - 4 and node.value[0] is not None  # FULL stays pinned
     h.check()
-    h.tree.unlock(handle)
+    h.tree.unpin(handle)
     h.check()

@@ -1,4 +1,4 @@
-"""Backup to L3 (behaviour.md §4.5): after a device→host ack, write the host pages on to storage.
+"""Backup to L3: after a device→host ack, write the host pages on to storage.
 
 The scheduler thread builds a job (page hashes and host slots per pool, read from the tree) and
 host-pins every node it covers; a background thread writes it, auxiliary pools (SWA, Mamba)

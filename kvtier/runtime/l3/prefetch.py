@@ -1,4 +1,4 @@
-"""Prefetch from L3 (behaviour.md §4.4): a background existence query and page reads, then a graft.
+"""Prefetch from L3: a background existence query and page reads, then a graft.
 
 One prefetch, :class:`Prefetch`, goes through three states; the scheduler thread moves it on in
 ``L3Tier.poll`` only on values every TP rank agreed on, so all trees change identically:
@@ -21,7 +21,7 @@ A prefetch allocates its host slots from the tree's host pools and holds them ou
 (the tree's integrity check is told how many: ``L3Tier.held_by_ops``) until the graft hands the
 used ones to the tree. Slots it did not graft are freed only once the IO thread is done with
 them (agreed across ranks), so a read still in flight after a timeout or an abort never writes
-into slots someone else owns (#31668).
+into slots someone else owns (SGLang #31668).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.runtime.l3.pools import L3Pool
-from kvtier.runtime.tree.tree import UnifiedRadixTree
 from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.tree import UnifiedRadixTree
 from kvtier.runtime.tree.types import HostPinHandle
 from kvtier.storage import ALL_PAGES, TRAILING_PAGES, PoolTransfer, PrefetchOutcome, StorageBackend
 
@@ -86,8 +86,8 @@ class Prefetch:
     swa_slots: torch.Tensor | None = field(default=None, repr=False)
     mamba_slot: torch.Tensor | None = field(default=None, repr=False)
     leftovers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    # IO thread progress, under ``lock``
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # IO thread progress, under ``mutex``
+    mutex: threading.Lock = field(default_factory=threading.Lock, repr=False)
     completed_pages: int = 0
     swa_hit: int = 0
     mamba_hit: int = 0
@@ -185,7 +185,7 @@ class PrefetchWorkers:
         res = self.backend.get(transfers)
         misses = self.backend.metrics.snapshot()["checksum_miss_pages"] - before
         if misses:
-            with op.lock:
+            with op.mutex:
                 op.checksum_misses += int(misses)
         return res
 
@@ -212,7 +212,7 @@ class PrefetchWorkers:
                 # The indexer is per page like KV: it follows each batch once that batch's KV
                 # pages arrived, so a partial prefetch still hands over whole pages.
                 ok = self._read_pages(op, "indexer", slots[: ok * P], hashes[:ok])
-            with op.lock:  # pages [0, completed) are in place before they are counted (#8901)
+            with op.mutex:  # pages [0, completed) are in place before they are counted (SGLang #8901)
                 op.completed_pages = i + ok
             if ok < j - i:
                 return
@@ -232,7 +232,7 @@ class PrefetchWorkers:
         swa_ok = swa_pages is not None and all(res.ok["swa"])
         if swa_ok:
             self.pools["swa"].finish_read(swa_pages, op.swa_pages)
-        with op.lock:
+        with op.mutex:
             op.swa_hit = op.swa_pages if swa_ok else 0
             op.mamba_hit = int("mamba" in res.ok and all(res.ok["mamba"]))
 

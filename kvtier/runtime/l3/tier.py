@@ -4,17 +4,9 @@ Page keys: every node carries its page hashes (``TreeNode.page_hashes``), a SHA-
 by the request's namespace digest (``namespace_for``); they are computed once, when a node is first
 backed up or used as a prefetch anchor, and follow the node through splits.
 
-Agreement across TP ranks (behaviour.md §4.6, users.md §2.3): each ``poll`` adds one fixed-size
-int64 vector to the controller's single all-reduce (MIN). Its length never depends on local state:
-
-    [0]                 backup jobs finished (FIFO prefix)      -> unpin that many jobs
-    [1]                 terminated prefetches whose IO stopped  -> release their leftover slots
-    [2 + 2i, 3 + 2i]    query i (oldest QUERY_SLOTS): hit pages or -1 if not back, worth loading
-    [2 + 2Q + 4j ...]   load j (oldest VOTE_SLOTS): may terminate, completed pages, SWA pages,
-                        Mamba state                             -> terminate and commit
-
-A value a rank has not got yet is -1 (or 0 for a vote), so MIN waits for the slowest rank. Each
-decision is then taken on the agreed values on every rank, in the same order.
+Agreement across TP ranks: each ``poll`` adds one fixed-size int64 vector (laid out and read
+back in ``votes``) to the controller's single all-reduce (MIN); each decision is then taken on
+the agreed values on every rank, in the same order.
 
 Load or recompute: a hit whose load at the measured storage bandwidth would take longer than
 recomputing it at ``prefill_tokens_per_s`` is declined (each decision is counted).
@@ -33,6 +25,16 @@ import torch
 from kvtier.runtime.l3.backup import BackupJob, BackupWriter
 from kvtier.runtime.l3.pools import L3Pool, namespace_for
 from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, attach_swa
+from kvtier.runtime.l3.votes import (
+    LOAD_SLOTS,
+    QUERY_SLOTS,
+    VECTOR_LEN,
+    LoadVote,
+    QueryVote,
+    Votes,
+    decode,
+    encode,
+)
 from kvtier.runtime.tp import rank_and_size
 from kvtier.runtime.tree.node import TreeNode, page_align
 from kvtier.runtime.tree.types import Backup
@@ -57,8 +59,6 @@ __all__ = ["L3Tier", "Prefetch"]
 
 log = logging.getLogger(__name__)
 
-QUERY_SLOTS = 4
-VOTE_SLOTS = 4
 _STORED_MEMORY = 1 << 20  # (pool, hash) pairs remembered as already in L3
 
 
@@ -163,7 +163,7 @@ class L3Tier:
         stored, host-pinning every node it reads until the write is done."""
         if not self.st.write_to_storage:
             return
-        node = books.lock.node
+        node = books.pin.node
         if node.parent is None or not node.attached:
             return
         path = []
@@ -235,7 +235,7 @@ class L3Tier:
         m = self.tree.match_prefix(tokens, namespace)
         anchor = m.best_match_node
         while anchor.parent is not None and anchor.host_value[0] is None:
-            anchor = anchor.parent  # hang host-only nodes only below backed-up ones (#30106)
+            anchor = anchor.parent  # hang host-only nodes only below backed-up ones (SGLang #30106)
         key = tokens[anchor.end :]
         if len(key) < self.threshold_pages * P:
             self.counters["prefetch_not_started_short"] += 1
@@ -274,56 +274,48 @@ class L3Tier:
 
     @property
     def vector_len(self) -> int:
-        return 2 + 2 * QUERY_SLOTS + 4 * VOTE_SLOTS
+        return VECTOR_LEN
 
     def local_votes(self) -> torch.Tensor:
-        """This rank's values for the agreed vector (see the module docstring)."""
-        v = [
-            _ready(self._backups, lambda j: j.done.is_set()),
-            _ready(self._draining, lambda op: op.io_done.is_set()),
-        ]
+        """This rank's values for the agreed vector (``votes``)."""
         queries = list(self._querying)[:QUERY_SLOTS]
-        loads = list(self._loading)[:VOTE_SLOTS]
+        loads = list(self._loading)[:LOAD_SLOTS]
         self._voted = (queries, loads)
-        for i in range(QUERY_SLOTS):
-            if i >= len(queries):
-                v += [0, 0]
-                continue
-            op = queries[i]
+        query_votes = []
+        for op in queries:
             if op.query_done.is_set():
                 hits = op.query_hits
             else:
                 hits = 0 if op.expired() else -1  # a hung query ends at the timeout
-            v += [hits, self._worth(hits)]
-        for j in range(VOTE_SLOTS):
-            if j >= len(loads):
-                v += [0, 0, 0, 0]
-                continue
-            op = loads[j]
-            with op.lock:
-                snap = [op.completed_pages, op.swa_hit, op.mamba_hit]
-            v += [int(self._can_terminate(op))] + snap
-        return torch.tensor(v, dtype=torch.int64)
+            query_votes.append(QueryVote(hits, bool(self._worth(hits))))
+        load_votes = []
+        for op in loads:
+            with op.mutex:
+                snap = (op.completed_pages, op.swa_hit, op.mamba_hit)
+            load_votes.append(LoadVote(self._can_terminate(op), *snap))
+        return encode(Votes(
+            _ready(self._backups, lambda j: j.done.is_set()),
+            _ready(self._draining, lambda op: op.io_done.is_set()),
+            query_votes,
+            load_votes,
+        ))
 
     def apply(self, v: torch.Tensor) -> None:
         """Act on the agreed vector: the same decisions on every rank."""
-        vals = v.tolist()
         queries, loads = self._voted
         self._voted = ([], [])
-        for _ in range(vals[0]):
+        agreed = decode(v, len(queries), len(loads))
+        for _ in range(agreed.backups_done):
             self._finish_backup(self._backups.popleft())
-        for _ in range(vals[1]):
+        for _ in range(agreed.drained):
             self._release(self._draining.popleft())
-        base = 2 + 2 * QUERY_SLOTS
-        for j, op in enumerate(loads):
-            can, pages, swa, mamba = vals[base + 4 * j : base + 4 * j + 4]
-            if can and not op.done:
-                self._commit(op, pages, swa, mamba)
-        for i, op in enumerate(queries):
-            hits, worth = vals[2 + 2 * i], vals[3 + 2 * i]
-            if hits >= 0 and not op.done:
+        for op, vote in zip(loads, agreed.loads):
+            if vote.can_terminate and not op.done:
+                self._commit(op, vote.completed_pages, vote.swa_pages, vote.mamba_state)
+        for op, vote in zip(queries, agreed.queries):
+            if vote.hits >= 0 and not op.done:
                 self._querying.remove(op)
-                self._start_load(op, hits, bool(worth))
+                self._start_load(op, vote.hits, vote.worth)
 
     @property
     def outstanding(self) -> int:

@@ -26,7 +26,7 @@ from kvtier.kernels.layout import DeviceBuffers, HostBuffer
 from kvtier.runtime.pools.allocator import SlotAllocator
 from kvtier.runtime.pools.host import host_size_for
 
-__all__ = ["MambaStateSpec", "MambaDevicePool", "MambaHostPool", "slot_buffers"]
+__all__ = ["MambaDevicePool", "MambaHostPool", "MambaStateSpec", "slot_buffers"]
 
 
 @dataclass(frozen=True)

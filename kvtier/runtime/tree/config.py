@@ -14,7 +14,9 @@ from kvtier.runtime.tree.components import (
 )
 from kvtier.runtime.tree.evict import Eviction
 from kvtier.runtime.tree.integrity import Integrity
+from kvtier.runtime.tree.match import Matcher
 from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.pins import Pins
 from kvtier.runtime.tree.requests import RequestCache
 from kvtier.runtime.tree.tiers import HostTier
 from kvtier.runtime.tree.tree import UnifiedRadixTree
@@ -104,5 +106,8 @@ def build_tree(
         write_back=write_back,
         backup_continuity=cfg.backup_continuity,
     )
-    tree.attach_parts(Eviction(tree), HostTier(tree), RequestCache(tree), Integrity(tree))
+    tree.attach_parts(
+        Matcher(tree), Pins(tree), Eviction(tree), HostTier(tree), RequestCache(tree),
+        Integrity(tree),
+    )
     return tree

@@ -28,8 +28,8 @@ from kvtier.runtime.tree.types import EvictResult, TreeIntegrityError
 
 if TYPE_CHECKING:
     from kvtier.runtime.tree.components import TreeComponent
-    from kvtier.runtime.tree.tree import UnifiedRadixTree
     from kvtier.runtime.tree.node import TreeNode
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
 
 __all__ = ["Eviction"]
 
@@ -102,7 +102,7 @@ class Eviction:
 
     def _evict_device_leaf(self, node: TreeNode, freed: list[int]) -> bool:
         """Evict a device leaf with all components; False if it must stay (write-back failed)."""
-        # Never demote data that has no host copy (#27108): a failed backup keeps the node.
+        # Never demote data that has no host copy (SGLang #27108): a failed backup keeps the node.
         if (
             node.host_value[0] is None
             and self.tree.write_back is not None
@@ -126,7 +126,7 @@ class Eviction:
         for node in list(comp.device_lru.values()):
             if freed[s] >= target:
                 break
-            if node.value[s] is None or node.lock[s] or not node.attached:
+            if node.value[s] is None or node.pins[s] or not node.attached:
                 continue
             if node in self.tree.device_leaves and self._evict_device_leaf(node, freed):
                 continue
@@ -143,7 +143,7 @@ class Eviction:
             data = node.host_value if host else node.value
             if data[other.slot] is None:
                 continue
-            pins = node.host_lock if host else node.lock
+            pins = node.host_pins if host else node.pins
             if pins[other.slot]:
                 raise TreeIntegrityError(
                     f"stranded {'host ' if host else ''}pin: {other.name} is pinned "
@@ -183,7 +183,7 @@ class Eviction:
         for node in list(comp.host_lru.values()):
             if freed[s] >= target:
                 break
-            if node.host_value[s] is None or node.host_lock[s] or not node.attached:
+            if node.host_value[s] is None or node.host_pins[s] or not node.attached:
                 continue
             if node in self.tree.host_leaves:
                 self._evict_host_leaf(node, freed)

@@ -1,6 +1,6 @@
 """``check_integrity``: walk the whole tree, recount every book and every pool, raise with numbers.
 
-Checks behaviour.md §2.10 (1–8; 9 belongs to the controller) and slot conservation:
+Checks the tree invariants (the controller owns the copies in flight) and slot conservation:
 for every pool, ``allocator used == tree-owned + request-owned`` and no slot is owned twice.
 It costs O(tree); tests call it after every step.
 """
@@ -15,8 +15,8 @@ import torch
 from kvtier.runtime.tree.types import TreeIntegrityError
 
 if TYPE_CHECKING:
-    from kvtier.runtime.tree.tree import UnifiedRadixTree
     from kvtier.runtime.tree.node import TreeNode
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
 
 __all__ = ["Integrity"]
 
@@ -56,8 +56,8 @@ class Integrity:
         request_owned = request_owned or {}
         host_owned = host_owned or {}
         root = self.tree.root
-        if root.value[0] is None or root.lock[0] < 1 or root.key:
-            _fail(f"root broken: value={root.value[0]}, lock={root.lock[0]}, key={root.key}")
+        if root.value[0] is None or root.pins[0] < 1 or root.key:
+            _fail(f"root broken: value={root.value[0]}, pins={root.pins[0]}, key={root.key}")
         nodes = self.all_nodes()
         reachable = set(nodes)
         n_comp = len(self.tree.components)
@@ -118,21 +118,21 @@ class Integrity:
         for comp in self.tree.components:
             s = comp.slot
             dev, host = node.value[s], node.host_value[s]
-            lock, host_lock = node.lock[s], node.host_lock[s]
+            pin, host_pin = node.pins[s], node.host_pins[s]
             amount = comp.amount(node)
             if s and dev is not None and node.value[0] is None:
                 _fail(f"{node}: {comp.name} on device without FULL on device")
             if s and host is not None and node.host_value[0] is None:
                 _fail(f"{node}: {comp.name} on host without FULL on host")
-            if lock < 0 or host_lock < 0 or lock > node.lock[0]:
-                _fail(f"{node}: {comp.name} pins {lock}/{host_lock} (FULL pin {node.lock[0]})")
-            if (lock and dev is None) or (host_lock and host is None):
-                _fail(f"{node}: {comp.name} pinned ({lock}/{host_lock}) without data on that tier")
+            if pin < 0 or host_pin < 0 or pin > node.pins[0]:
+                _fail(f"{node}: {comp.name} pins {pin}/{host_pin} (FULL pin {node.pins[0]})")
+            if (pin and dev is None) or (host_pin and host is None):
+                _fail(f"{node}: {comp.name} pinned ({pin}/{host_pin}) without data on that tier")
             if dev is not None:
                 if dev.numel() != amount:
                     _fail(f"{node}: {comp.name} device has {dev.numel()} slots, expected {amount}")
                 device_owned[s].append(dev)
-                if lock:
+                if pin:
                     protected[s] += amount
                 else:
                     evictable[s] += amount

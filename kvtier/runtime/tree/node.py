@@ -11,8 +11,8 @@ Per-component data lives in parallel lists indexed by the component's slot (FULL
 
     value[c]      device indices (int64 tensor) or None (tombstone / evicted)
     host_value[c] host indices or None (not backed up)
-    lock[c]       device pin count
-    host_lock[c]  host pin count
+    pins[c]       device pin count
+    host_pins[c]  host pin count
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ class TreeNode:
         "children",
         "end",
         "hit_count",
-        "host_lock",
+        "host_pins",
         "host_value",
         "id",
         "key",
         "last_access",
-        "lock",
         "namespace",
         "page_hashes",
         "parent",
+        "pins",
         "priority",
         "value",
     )
@@ -68,8 +68,8 @@ class TreeNode:
         self.end = (parent.end if parent is not None else 0) + len(key)
         self.value: list[torch.Tensor | None] = [None] * num_components
         self.host_value: list[torch.Tensor | None] = [None] * num_components
-        self.lock = [0] * num_components
-        self.host_lock = [0] * num_components
+        self.pins = [0] * num_components
+        self.host_pins = [0] * num_components
         self.last_access = 0
         self.hit_count = 0
         self.priority = 0

@@ -2,9 +2,9 @@
 
 A request owns the FULL slots ``kv_slots[cache_protected_len:]`` (whole pages) and, optionally,
 one Mamba slot; positions below ``cache_protected_len`` hold tree-owned slots it matched and
-pinned with ``lock``. Caching hands the page-aligned part to the tree and frees the rest:
+pinned with ``pin``. Caching hands the page-aligned part to the tree and frees the rest:
 
-    [0, protected)        tree-owned, pinned by req.lock      untouched
+    [0, protected)        tree-owned, pinned by req.pin      untouched
     [protected, aligned)  request-owned, inserted             tree keeps them or frees duplicates
     [aligned, len(row))   request-owned, unaligned tail       freed (finished requests only)
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.tree.types import InsertResult, LockHandle, MambaCopy
+from kvtier.runtime.tree.types import InsertResult, MambaCopy, PinHandle
 
 if TYPE_CHECKING:
     from kvtier.runtime.tree.tree import UnifiedRadixTree
@@ -39,7 +39,7 @@ class CacheRequest:
         kv_slots: int64 FULL slots; the first ``len(token_ids)`` are the tokens' slots, and the
             row covers whole pages (its length is a multiple of P).
         cache_protected_len: leading tokens whose slots belong to the tree.
-        lock: pin on the node ending at ``cache_protected_len`` (None: nothing pinned).
+        pin: pin on the node ending at ``cache_protected_len`` (None: nothing pinned).
         swa_evicted_seqlen: page-aligned; the request's SWA data below it was freed.
         mamba_slot: one-slot tensor with the request's live Mamba state (covering all of
             ``token_ids``), or None.
@@ -49,7 +49,7 @@ class CacheRequest:
     token_ids: list[int]
     kv_slots: torch.Tensor
     cache_protected_len: int = 0
-    lock: LockHandle | None = None
+    pin: PinHandle | None = None
     swa_evicted_seqlen: int = 0
     mamba_slot: torch.Tensor | None = None
     namespace: Hashable = None
@@ -99,9 +99,9 @@ class RequestCache:
         self._unpin(req)
 
     def _unpin(self, req: CacheRequest) -> None:
-        if req.lock is not None:
-            self.tree.unlock(req.lock)
-        req.lock = None
+        if req.pin is not None:
+            self.tree.unpin(req.pin)
+        req.pin = None
         req.mamba_slot = None
         req.kv_slots = req.kv_slots[:0]
         req.cache_protected_len = 0
@@ -155,10 +155,10 @@ class RequestCache:
             x = x.parent
         if values:
             req.kv_slots[: res.cached_len] = torch.cat(values[::-1])
-        new_lock = self.tree.lock(res.last_node)
-        if req.lock is not None:
-            self.tree.unlock(req.lock)
-        req.lock = new_lock
+        new_lock = self.tree.pin(res.last_node)
+        if req.pin is not None:
+            self.tree.unpin(req.pin)
+        req.pin = new_lock
         req.cache_protected_len = res.cached_len
         return copy
 

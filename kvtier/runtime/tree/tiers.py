@@ -4,11 +4,11 @@ Both operations allocate the destination slots, commit the indices to the tree a
 return ``Transfer`` descriptors for the controller to copy; the controller calls ``finish_*``
 when the copy is done. Until then the source side is pinned:
 
-    backup     device lock on the node (the copy's source cannot be evicted)
-    load_back  host pin on the anchor (#27444: host data must outlive the async H→D copy) and a
-               device lock on the loaded path (the fresh device slots cannot be evicted)
+    backup     device pin on the node (the copy's source cannot be evicted)
+    load_back  host pin on the anchor (SGLang #27444: host data must outlive the async H→D copy) and a
+               device pin on the loaded path (the fresh device slots cannot be evicted)
 
-Load-back admission compares FULL tokens with the FULL pool's free slots only (#26302): SWA
+Load-back admission compares FULL tokens with the FULL pool's free slots only (SGLang #26302): SWA
 pressure must not evict unrelated FULL leaves; a SWA shortfall evicts SWA only.
 """
 
@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.runtime.tree.node import TreeNode, child_key, match_len
+from kvtier.runtime.tree.node import TreeNode
 from kvtier.runtime.tree.types import Backup, LoadBack, Transfer, TreeIntegrityError
+from kvtier.runtime.tree.walk import step
 
 if TYPE_CHECKING:
     from kvtier.runtime.tree.tree import UnifiedRadixTree
@@ -80,11 +81,11 @@ class HostTier:
                 pairs[c.name][0].append(dev)
                 pairs[c.name][1].append(host)
             self.tree._update_leaf(x)
-        # A lock on `node` pins FULL down the path but SWA and Mamba only near `node`: the
+        # A pin on `node` pins FULL down the path but SWA and Mamba only near `node`: the
         # ancestors backed up with it need their own, or their aux slots could be freed and
         # reused while the copy still reads them.
-        chain_locks = tuple(self.tree.lock(x) for x in chain[:-1]) if self.tree.aux else ()
-        return Backup(tuple(chain), _transfers(pairs, "d2h"), self.tree.lock(node), chain_locks)
+        chain_pins = tuple(self.tree.pin(x) for x in chain[:-1]) if self.tree.aux else ()
+        return Backup(tuple(chain), _transfers(pairs, "d2h"), self.tree.pin(node), chain_pins)
 
     def backup_chain(self, node: TreeNode) -> list[TreeNode]:
         """The nodes a backup of ``node`` copies, top-down: ``node`` and, with backup
@@ -112,10 +113,10 @@ class HostTier:
         return chain
 
     def finish_backup(self, backup: Backup) -> None:
-        """The D→H copies of ``backup`` are done: drop its device locks."""
-        for handle in backup.chain_locks:
-            self.tree.unlock(handle)
-        self.tree.unlock(backup.lock)
+        """The D→H copies of ``backup`` are done: drop its device pins."""
+        for handle in backup.chain_pins:
+            self.tree.unpin(handle)
+        self.tree.unpin(backup.pin)
 
     def load_back(self, anchor: TreeNode) -> LoadBack | None:
         """Give ``anchor``'s path device slots again (FULL of evicted nodes, host-only SWA within
@@ -152,9 +153,9 @@ class HostTier:
         if not to_load and not swa_nodes and not load_mamba:
             return None
         pin = self.tree.pin_host(anchor)
-        temp = self.tree.lock(anchor)  # keeps pre-eviction off the device part of the path
+        temp = self.tree.pin(anchor)  # keeps pre-eviction off the device part of the path
         taken = self._allocate_load(to_load, swa_nodes, load_mamba)
-        self.tree.unlock(temp)
+        self.tree.unpin(temp)
         if taken is None:
             self.tree.unpin_host(pin)
             return None
@@ -174,7 +175,7 @@ class HostTier:
             pairs[mamba.name][0].append(mamba_slot)
             pairs[mamba.name][1].append(anchor.host_value[mamba.slot])
         loaded = sum(len(x.key) for x in to_load)
-        return LoadBack(anchor, _transfers(pairs, "h2d"), self.tree.lock(anchor), pin, loaded)
+        return LoadBack(anchor, _transfers(pairs, "h2d"), self.tree.pin(anchor), pin, loaded)
 
     def _allocate_load(
         self, to_load: list[TreeNode], swa_nodes: list[TreeNode], load_mamba: bool
@@ -235,7 +236,7 @@ class HostTier:
 
         Walks down from ``anchor`` along existing children (splitting a partly matching one) and
         skips the tokens they already hold; the rest becomes one host-only node. Under backup
-        continuity nothing is hung below a node without host data (#30106): the walk stops there.
+        continuity nothing is hung below a node without host data (SGLang #30106): the walk stops there.
 
         Args:
             anchor: an attached node (or the root) whose path ``tokens`` continue.
@@ -269,16 +270,14 @@ class HostTier:
         if page_hashes is not None and len(page_hashes) != total // P:
             raise ValueError(f"page_hashes: {len(page_hashes)} hashes for {total // P} pages")
         node, pos = anchor, 0
-        while pos < total:
-            child = node.children.get(child_key(key, pos, P, namespace, node.parent is None))
-            if child is None:
-                break
-            n = match_len(child.key, key, pos, P)
+        child, n = step(node, key, 0, total, P, namespace)
+        while child is not None:
             if n < len(child.key):
                 child = self.tree.split(child, n)
             if self.tree.backup_continuity and child.host_value[0] is None:
                 return None, pos
             node, pos = child, pos + n
+            child, n = step(node, key, pos, total, P, namespace)
         if pos == total:
             return node, pos
         leaf = TreeNode(key[pos:], node, len(self.tree.components), namespace)
@@ -293,8 +292,8 @@ class HostTier:
         return leaf, pos
 
     def finish_load_back(self, load: LoadBack) -> None:
-        """The H→D copies of ``load`` are done: drop its device lock and host pin."""
-        self.tree.unlock(load.lock)
-        self.tree.unpin_host(load.pin)
+        """The H→D copies of ``load`` are done: drop its device pin and host pin."""
+        self.tree.unpin(load.pin)
+        self.tree.unpin_host(load.host_pin)
         if not load.anchor.attached:
             raise TreeIntegrityError(f"load-back anchor {load.anchor} left the tree mid-copy")

@@ -5,12 +5,12 @@ the books only; data copies are the controller's, described by ``Transfer`` reco
 
 Books kept here (all recounted by ``check_integrity``):
 
-    evictable[c] / protected[c]   device amount of component c on nodes with lock[c] == 0 / > 0
+    evictable[c] / protected[c]   device amount of component c on nodes with pins[c] == 0 / > 0
     device_leaves                 FULL-evictable nodes (see ``_is_device_leaf``)
     host_leaves                   host-evictable nodes (see ``_is_host_leaf``)
     component LRU lists           per aux component: device LRU and host-only LRU
 
-Pins are reference counts. A device ``lock`` pins FULL on the whole path to the root (a prefix
+Pins are reference counts. A device ``pin`` pins FULL on the whole path to the root (a prefix
 is only usable whole), SWA on one window above the node, and MAMBA on the node itself.
 
 This module holds construction, the books, match, insert, split and pins. Eviction
@@ -33,18 +33,19 @@ from kvtier.runtime.tree.components import (
     SWAComponent,
     TreeComponent,
 )
-from kvtier.runtime.tree.node import TreeNode, child_key, match_len, token_list
+from kvtier.runtime.tree.node import TreeNode, child_key, token_list
 from kvtier.runtime.tree.types import (
     Backup,
     EvictResult,
     HostPinHandle,
-    LoadBack,
     InsertResult,
-    LockHandle,
+    LoadBack,
     MambaCopy,
     MatchResult,
+    PinHandle,
     TreeIntegrityError,
 )
+from kvtier.runtime.tree.walk import step
 
 __all__ = ["UnifiedRadixTree"]
 
@@ -66,7 +67,7 @@ class UnifiedRadixTree:
             ``backup`` then backs up missing ancestors first and the check enforces it.
 
     Rules callers rely on:
-        - lock ``last_device_node`` before using ``device_indices``; unlock with the handle;
+        - pin ``last_device_node`` before using ``device_indices``; unpin with the handle;
         - ``insert`` takes ownership of the request's slots at positions >= ``prev_prefix_len``
           (it frees duplicates itself); the caller frees the unaligned tail.
     """
@@ -117,8 +118,9 @@ class UnifiedRadixTree:
         self.host_leaves: set[TreeNode] = set()
         self._clock = 0
 
-    def attach_parts(self, eviction, host_tier, requests, integrity) -> None:
+    def attach_parts(self, matcher, pins, eviction, host_tier, requests, integrity) -> None:
         """The parts that act on this tree's books (``build_tree`` builds and attaches them)."""
+        self.matcher, self.pins = matcher, pins
         self.eviction, self.host_tier, self.requests, self.integrity = (
             eviction, host_tier, requests, integrity
         )
@@ -135,7 +137,7 @@ class UnifiedRadixTree:
     def _new_root(self) -> TreeNode:
         root = TreeNode([], None, len(self.components))
         root.value[0] = _EMPTY
-        root.lock = [1] * len(self.components)
+        root.pins = [1] * len(self.components)
         root.priority = -(2**62)
         return root
 
@@ -146,7 +148,7 @@ class UnifiedRadixTree:
         comp = self.components[slot]
         node.value[slot] = value
         amount = comp.amount(node)
-        if node.lock[slot]:
+        if node.pins[slot]:
             self.protected[slot] += amount
         else:
             self.evictable[slot] += amount
@@ -162,7 +164,7 @@ class UnifiedRadixTree:
         comp = self.components[slot]
         comp.free_device(node)
         amount = comp.amount(node)
-        if node.lock[slot]:
+        if node.pins[slot]:
             self.protected[slot] -= amount
         else:
             self.evictable[slot] -= amount
@@ -194,31 +196,31 @@ class UnifiedRadixTree:
 
     def replace_full(self, node: TreeNode, fresh: torch.Tensor) -> None:
         """Swap an unpinned node's FULL slots for ``fresh`` ones of the same length."""
-        if node.lock[0]:
+        if node.pins[0]:
             raise TreeIntegrityError(f"replace_full on pinned {node}")
         self.full.device_alloc.free(node.value[0])
         node.value[0] = fresh.clone()
 
-    def inc_lock(self, node: TreeNode, slot: int) -> int:
+    def inc_pin(self, node: TreeNode, slot: int) -> int:
         """Add one device pin of component ``slot``; returns the amount newly protected."""
-        if node.lock[slot]:
-            node.lock[slot] += 1
+        if node.pins[slot]:
+            node.pins[slot] += 1
             return 0
         amount = self.components[slot].amount(node)
         self.evictable[slot] -= amount
         self.protected[slot] += amount
-        node.lock[slot] = 1
+        node.pins[slot] = 1
         self.device_leaves.discard(node)
         return amount
 
-    def dec_lock(self, node: TreeNode, slot: int) -> None:
+    def dec_pin(self, node: TreeNode, slot: int) -> None:
         """Drop one device pin of component ``slot``."""
-        count = node.lock[slot] - 1
+        count = node.pins[slot] - 1
         if count < 0:
             raise TreeIntegrityError(
-                f"unpin of {node} component {self.components[slot].name}: lock count would be {count}"
+                f"unpin of {node} component {self.components[slot].name}: pin count would be {count}"
             )
-        node.lock[slot] = count
+        node.pins[slot] = count
         if count == 0:
             amount = self.components[slot].amount(node)
             self.protected[slot] -= amount
@@ -228,7 +230,7 @@ class UnifiedRadixTree:
     def _is_device_leaf(self, node: TreeNode) -> bool:
         """FULL-evictable: unpinned FULL device data, no child with FULL on device, and either
         childless or able to keep its host-only children (backed up, or write-back on)."""
-        if node.value[0] is None or node.parent is None or any(node.lock):
+        if node.value[0] is None or node.parent is None or any(node.pins):
             return False
         if node.children:
             for child in node.children.values():
@@ -244,7 +246,7 @@ class UnifiedRadixTree:
             and node.host_value[0] is not None
             and not node.children
             and node.parent is not None
-            and not any(node.host_lock)
+            and not any(node.host_pins)
         )
 
     def _update_leaf(self, node: TreeNode) -> None:
@@ -327,133 +329,6 @@ class UnifiedRadixTree:
             comp.host_lru.pop(node.id, None)
         self._update_leaf(parent)
 
-    # -- match ------------------------------------------------------------------------------
-
-    def match_prefix(
-        self,
-        token_ids: Sequence[int] | torch.Tensor,
-        namespace: Hashable = None,
-        *,
-        read_only: bool = False,
-        cow_mamba: bool = False,
-    ) -> MatchResult:
-        """Longest usable cached prefix of ``token_ids`` (truncated to whole pages).
-
-        A partial match on a node (device or host-only) splits it so the boundary is a node.
-        ``read_only=True`` never splits and never refreshes LRU order; its lengths and indices
-        equal a regular match's, but where a regular match would split a node the anchors are
-        that whole node, which extends past the match: do not lock a read-only result.
-
-        ``cow_mamba=True`` (MAMBA only, not read-only): when ``best_match_node`` holds a device
-        state (the one the request resumes from), give the request a state slot of its own
-        and report the copy in ``mamba_cow`` (see ``mamba_copy_on_write``). A host-only state
-        gets none: load it back, then call ``mamba_copy_on_write`` on the anchor.
-        """
-        P = self.page_size
-        tokens = token_list(token_ids)
-        total = len(tokens) - len(tokens) % P
-        root = self.root
-        child = None
-        if total:
-            child = root.children.get((namespace, tokens[0] if P == 1 else tuple(tokens[:P])))
-        if child is None:
-            return MatchResult(_EMPTY, root, root)
-        comps = self.components
-        dev_validators = [c.validator(True) for c in comps]
-        any_validators = [c.validator(False) for c in comps] if self.host_enabled else None
-        pos = 0
-        values: list[torch.Tensor] = []
-        best = best_dev = root
-        best_len = n_dev_values = 0
-        while True:
-            key = child.key
-            klen = len(key)
-            end = pos + klen
-            if end <= total and key == tokens[pos:end]:
-                n = klen
-            else:
-                n = match_len(key, tokens, pos, P, total)
-                if not read_only:
-                    child = self.split(child, n)
-            value = child.value[0]
-            if value is not None:
-                values.append(value if n == klen else value[:n])
-            # Every validator sees every node: they are stateful (SWA counts a window).
-            dev_ok = True
-            for v in dev_validators:
-                if not v(child, n):
-                    dev_ok = False
-            if any_validators is not None:
-                any_ok = True
-                for v in any_validators:
-                    if not v(child, n):
-                        any_ok = False
-                if any_ok:
-                    best, best_len = child, n
-            if dev_ok:
-                best_dev = child
-                n_dev_values = len(values)
-                if any_validators is None:
-                    best, best_len = child, n
-            pos += n
-            if n < klen or pos >= total:
-                break
-            child = child.children.get(tokens[pos] if P == 1 else tuple(tokens[pos : pos + P]))
-            if child is None:
-                break
-        if n_dev_values == 0:
-            indices = _EMPTY
-        elif n_dev_values == 1:
-            indices = values[0].clone()
-        else:
-            indices = torch.cat(values[:n_dev_values])
-        if not read_only and best is not root:
-            path = self._touch(best)
-            for comp in self.aux:
-                comp.refresh(path)
-        mamba = self.mamba
-        if mamba is None and (any_validators is None or best is best_dev):
-            return MatchResult(indices, best_dev, best)
-        hits = [0] * len(comps)
-        if best is not best_dev:
-            hits = [c.finalize_match(best, best_dev, best_len) for c in comps]
-        swa_hit = hits[self.swa.slot] if self.swa is not None else 0
-        branching, cow = None, None
-        if mamba is not None:
-            if not self.host_enabled:
-                full_len = sum(len(v) for v in values)
-                branching = mamba.branching_seqlen(full_len, int(indices.numel()))
-            if cow_mamba and not read_only:
-                cow = self.mamba_copy_on_write(best)
-            hits[mamba.slot] = mamba.finalize_match(best, best_dev, best_len)
-        mamba_hit = hits[mamba.slot] if mamba is not None else 0
-        return MatchResult(indices, best_dev, best, hits[0], swa_hit, mamba_hit, branching, cow)
-
-    def mamba_copy_on_write(
-        self, node: TreeNode, dst: torch.Tensor | None = None
-    ) -> MambaCopy | None:
-        """The copy that gives a request its own Mamba state starting from ``node``'s.
-
-        A request must not advance the tree's state in place, so it decodes from a copy. With
-        ``dst`` None a slot is allocated for the request; when the pool is full one unpinned
-        state is evicted first, with ``node`` pinned so its own state survives. Returns None
-        when ``node`` has no device state or no slot could be found. The caller owns ``dst``
-        (it becomes the request's ``mamba_slot``) and must copy ``src`` to it on device
-        (``MambaDevicePool.copy_slots(src, dst)``) while ``node`` is locked.
-        """
-        mamba = self.mamba
-        if mamba is None or node.parent is None or node.value[mamba.slot] is None:
-            return None
-        if dst is None:
-            dst = mamba.device_alloc.alloc(1)
-        if dst is None:
-            pin = self.lock(node)
-            dst = self.alloc_or_evict(mamba, 1)
-            self.unlock(pin)
-            if dst is None:
-                return None
-        return MambaCopy(node.value[mamba.slot].clone(), dst)
-
     # -- insert -----------------------------------------------------------------------------
 
     def insert(
@@ -493,17 +368,10 @@ class UnifiedRadixTree:
         if aux:
             ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished)
         root = self.root
-        node, pos, child = root, 0, None
-        if total:
-            child = root.children.get((namespace, tokens[0] if P == 1 else tuple(tokens[:P])))
+        node, pos = root, 0
+        child, n = step(root, tokens, 0, total, P, namespace)
         while child is not None:
-            key = child.key
-            klen = len(key)
-            end = pos + klen
-            if end <= total and key == tokens[pos:end]:
-                n = klen
-            else:
-                n = match_len(key, tokens, pos, P, total)
+            if n < len(child.key):
                 child = self.split(child, n)
             for comp in aux:
                 cut = comp.insert_split_point(child, pos, n, ctx)
@@ -533,10 +401,8 @@ class UnifiedRadixTree:
             child.hit_count += 1
             node = child
             pos += n
-            if pos >= total:
-                break
             # After a partial match this finds nothing (the tokens diverge from the lower piece).
-            child = node.children.get(tokens[pos] if P == 1 else tuple(tokens[pos : pos + P]))
+            child, n = step(node, tokens, pos, total, P, namespace)
         kept = ctx is None or ctx.keep_from is None
         prefix_len = pos
         new_leaf = pos < total and kept
@@ -556,144 +422,48 @@ class UnifiedRadixTree:
         cached = total if kept else ctx.keep_from
         return InsertResult(prefix_len, total, cached, node, ctx.mamba_exist, ctx.mamba_adopted)
 
-    # -- device pins ------------------------------------------------------------------------
+    # -- the parts' calls ----------------------------------------------------------------------
 
-    def lock(self, node: TreeNode) -> LockHandle:
-        """Pin ``node`` against device eviction; pass the handle back to ``unlock``.
+    def match_prefix(
+        self, token_ids, namespace: Hashable = None, *, read_only: bool = False,
+        cow_mamba: bool = False,
+    ) -> MatchResult:
+        """See ``Matcher.match_prefix``."""
+        return self.matcher.match_prefix(
+            token_ids, namespace, read_only=read_only, cow_mamba=cow_mamba
+        )
 
-        FULL is pinned on every device node from ``node`` to the root; evicted nodes at the
-        bottom are skipped (recorded as ``full_end``). SWA is pinned on one window above
-        ``node``, MAMBA on ``node`` itself.
-        """
-        if node.parent is None:
-            return LockHandle(node, 0, 0)
-        x = node
-        while x.parent is not None and x.value[0] is None:
-            x = x.parent
-        full_end, delta = x.end, 0
-        while x.parent is not None:
-            delta += self.inc_lock(x, 0)
-            x = x.parent
-        swa_boundary, swa_skipped = None, ()
-        if self.swa is not None:
-            swa_boundary, swa_skipped = self._pin_window(node, device=True)
-        mamba = False
-        if self.mamba is not None and node.value[self.mamba.slot] is not None:
-            self.inc_lock(node, self.mamba.slot)
-            mamba = True
-        return LockHandle(node, node.end, full_end, swa_boundary, swa_skipped, mamba, delta)
+    def mamba_copy_on_write(self, node: TreeNode, dst=None) -> MambaCopy | None:
+        """See ``Matcher.mamba_copy_on_write``."""
+        return self.matcher.mamba_copy_on_write(node, dst)
 
-    def unlock(self, handle: LockHandle) -> None:
-        """Release every pin ``handle`` holds."""
-        handle = self.unlock_swa(handle)
-        x = handle.node
-        while x.end > handle.full_end:
-            x = x.parent
-        if x.parent is None:
-            return
-        self.dec_lock(x, 0)
-        # Every node above keeps a device child (the one just unpinned), so unpinning it cannot
-        # make it a device leaf: only the counters change.
-        x = x.parent
-        evictable = 0
-        while x.parent is not None:
-            count = x.lock[0] - 1
-            if count <= 0:
-                if count < 0:
-                    raise TreeIntegrityError(f"unpin of {x} component full: lock count would be -1")
-                evictable += len(x.key)
-            x.lock[0] = count
-            x = x.parent
-        self.evictable[0] += evictable
-        self.protected[0] -= evictable
+    def pin(self, node: TreeNode) -> PinHandle:
+        """See ``Pins.pin``."""
+        return self.pins.pin(node)
 
-    def unlock_swa(self, handle: LockHandle) -> LockHandle:
-        """Release the SWA window pin early (decode moved past it); the FULL pin stays.
+    def unpin(self, handle: PinHandle) -> None:
+        """See ``Pins.unpin``."""
+        self.pins.unpin(handle)
 
-        The Mamba pin goes too: it is only useful with the window, and a pinned Mamba state
-        under an unpinned SWA node would strand the SWA eviction cascade.
-        """
-        if handle.swa_boundary is not None:
-            self._unpin_window(handle.node, handle.swa_boundary, handle.swa_skipped, device=True)
-        if handle.mamba:
-            self.dec_lock(handle.node, self.mamba.slot)
-        if handle.swa_boundary is None and not handle.mamba:
-            return handle
-        return handle._replace(swa_boundary=None, swa_skipped=(), mamba=False)
-
-    def _pin_window(self, node: TreeNode, device: bool) -> tuple[int, tuple[tuple[int, int], ...]]:
-        """Pin SWA data (device or host) on nodes above ``node`` until ``window`` tokens are
-        covered; returns the boundary position and the skipped (data-less) ranges."""
-        s, window = self.swa.slot, self.swa.window
-        covered, skipped = 0, []
-        x = node
-        while x.parent is not None and covered < window:
-            if (x.value[s] if device else x.host_value[s]) is None:
-                skipped.append((x.start, x.end))
-            else:
-                if device:
-                    self.inc_lock(x, s)
-                else:
-                    self.inc_host_lock(x, s)
-                covered += len(x.key)
-            x = x.parent
-        return x.end, tuple(skipped)
-
-    def _unpin_window(
-        self, node: TreeNode, boundary: int, skipped: tuple[tuple[int, int], ...], device: bool
-    ) -> None:
-        s = self.swa.slot
-        x = node
-        while x.end > boundary:
-            if not any(lo <= x.start and x.end <= hi for lo, hi in skipped):
-                if device:
-                    self.dec_lock(x, s)
-                else:
-                    self.dec_host_lock(x, s)
-            x = x.parent
-
-    # -- host pins --------------------------------------------------------------------------
-
-    def inc_host_lock(self, node: TreeNode, slot: int) -> None:
-        node.host_lock[slot] += 1
-        self.host_leaves.discard(node)
-
-    def dec_host_lock(self, node: TreeNode, slot: int) -> None:
-        count = node.host_lock[slot] - 1
-        if count < 0:
-            raise TreeIntegrityError(
-                f"host unpin of {node} component {self.components[slot].name}: count would be {count}"
-            )
-        node.host_lock[slot] = count
-        if count == 0:
-            self._update_leaf(node)
+    def unpin_swa(self, handle: PinHandle) -> PinHandle:
+        """See ``Pins.unpin_swa``."""
+        return self.pins.unpin_swa(handle)
 
     def pin_host(self, node: TreeNode) -> HostPinHandle:
-        """Pin ``node``'s host data (FULL and MAMBA on the node, SWA over one window) against
-        host eviction, e.g. for an in-flight load-back or storage write."""
-        if node.parent is None:
-            return HostPinHandle(node, 0)
-        full = node.host_value[0] is not None
-        if full:
-            self.inc_host_lock(node, 0)
-        swa_boundary, swa_skipped = None, ()
-        if self.swa is not None:
-            swa_boundary, swa_skipped = self._pin_window(node, device=False)
-        mamba = self.mamba is not None and node.host_value[self.mamba.slot] is not None
-        if mamba:
-            self.inc_host_lock(node, self.mamba.slot)
-        return HostPinHandle(node, node.end, full, swa_boundary, swa_skipped, mamba)
+        """See ``Pins.pin_host``."""
+        return self.pins.pin_host(node)
 
     def unpin_host(self, handle: HostPinHandle) -> None:
-        """Release every host pin ``handle`` holds."""
-        if handle.full:
-            self.dec_host_lock(handle.node, 0)
-        if handle.swa_boundary is not None:
-            self._unpin_window(handle.node, handle.swa_boundary, handle.swa_skipped, device=False)
-        if handle.mamba:
-            self.dec_host_lock(handle.node, self.mamba.slot)
+        """See ``Pins.unpin_host``."""
+        self.pins.unpin_host(handle)
 
-    # -- the parts' calls ----------------------------------------------------------------------
+    def inc_host_pin(self, node: TreeNode, slot: int) -> None:
+        """See ``Pins.inc_host_pin``."""
+        self.pins.inc_host_pin(node, slot)
+
+    def dec_host_pin(self, node: TreeNode, slot: int) -> None:
+        """See ``Pins.dec_host_pin``."""
+        self.pins.dec_host_pin(node, slot)
 
     def evict(self, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
         """See ``Eviction.evict``."""

@@ -1,8 +1,8 @@
 """Result and handle types of the unified radix tree.
 
-Results and the device ``LockHandle`` are NamedTuples (cheap on the scheduler's hot path); other
+Results and the device ``PinHandle`` are NamedTuples (cheap on the scheduler's hot path); other
 handles and transfer descriptors are frozen dataclasses. Handles are opaque to callers: pass back
-exactly what ``lock``/``pin_host`` returned.
+exactly what ``pin``/``pin_host`` returned.
 
 Token positions (``end``, ``boundary``, skipped ranges) count tokens from the root. They are used
 instead of node ids because a split or a load-back never moves a token position, whereas a split
@@ -25,16 +25,16 @@ __all__ = [
     "HostPinHandle",
     "InsertResult",
     "LoadBack",
-    "LockHandle",
     "MambaCopy",
     "MatchResult",
+    "PinHandle",
     "Transfer",
     "TreeIntegrityError",
 ]
 
 
 class TreeIntegrityError(RuntimeError):
-    """A tree invariant (behaviour.md §2.10) or a pool's books do not hold."""
+    """A tree invariant or a pool's books do not hold."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class MatchResult(NamedTuple):
 
     Attributes:
         device_indices: int64 ``[device_len]`` FULL slots from the root to ``last_device_node``.
-        last_device_node: deepest node where every component is on the device; lock this one.
+        last_device_node: deepest node where every component is on the device; pin this one.
         best_match_node: deepest node where every component is usable on device or host; the
             anchor for ``load_back``. Equals ``last_device_node`` when nothing is host-only.
         host_hit_length: FULL tokens between the two anchors that are only on host.
@@ -127,18 +127,18 @@ class EvictResult(NamedTuple):
     mamba: int = 0
 
 
-class LockHandle(NamedTuple):
-    """A device pin (reference count) taken by ``lock``; release it with ``unlock``.
+class PinHandle(NamedTuple):
+    """A device pin (reference count) taken by ``pin``; release it with ``unpin``.
 
     Attributes:
         node: the node that was locked.
         node_end: token position where ``node`` ends.
         full_end: FULL is pinned on the path root..``full_end``; nodes below it were evicted
-            (host-only) when the lock was taken and were skipped.
+            (host-only) when the pin was taken and were skipped.
         swa_boundary: SWA is pinned on nodes ending in ``(swa_boundary, node_end]`` (the window),
             or None when no SWA pin is held (no SWA component, or released early).
         swa_skipped: ``(start, end)`` token ranges inside the window that had no SWA data on
-            device when the lock was taken (tombstones, evicted nodes); never decremented.
+            device when the pin was taken (tombstones, evicted nodes); never decremented.
         mamba: whether ``node``'s Mamba state is pinned.
         delta: FULL tokens that went from evictable to protected.
     """
@@ -160,7 +160,7 @@ class HostPinHandle:
         node: the pinned node.
         node_end: token position where ``node`` ends.
         full: whether ``node``'s FULL host data is pinned.
-        swa_boundary, swa_skipped: the SWA host window, as in ``LockHandle``.
+        swa_boundary, swa_skipped: the SWA host window, as in ``PinHandle``.
         mamba: whether ``node``'s Mamba host state is pinned.
     """
 
@@ -177,27 +177,27 @@ class Backup:
     """A device→host backup whose books are committed; the copies are still to be done.
 
     The nodes stay device-locked until ``finish_backup`` so that no source slot of the copy can
-    be evicted mid-transfer: ``lock`` pins FULL on the whole path plus the last node's SWA window
-    and Mamba state; ``chain_locks`` pin the SWA window and Mamba state of every other node
+    be evicted mid-transfer: ``pin`` pins FULL on the whole path plus the last node's SWA window
+    and Mamba state; ``chain_pins`` pin the SWA window and Mamba state of every other node
     whose data the copy reads.
     """
 
     nodes: tuple[TreeNode, ...]
     transfers: tuple[Transfer, ...]
-    lock: LockHandle
-    chain_locks: tuple[LockHandle, ...] = ()
+    pin: PinHandle
+    chain_pins: tuple[PinHandle, ...] = ()
 
 
 @dataclass(frozen=True)
 class LoadBack:
     """A host→device load whose books are committed; the copies are still to be done.
 
-    ``lock`` pins the loaded path on device and ``pin`` pins the anchor's host data until
+    ``pin`` pins the loaded path on device and ``host_pin`` the anchor's host data until
     ``finish_load_back``, so neither side of an in-flight copy can be freed.
     """
 
     anchor: TreeNode
     transfers: tuple[Transfer, ...]
-    lock: LockHandle
-    pin: HostPinHandle
+    pin: PinHandle
+    host_pin: HostPinHandle
     loaded_tokens: int

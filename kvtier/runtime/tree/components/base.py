@@ -8,7 +8,7 @@ membership) through ``TreeBooks``; a component decides *what* its data is at eac
     insert    insert_split_point, on_insert_overlap, on_unevict, commit_insert
     split     split
     evict     free_device / free_host (slot release), internal_priority (cascade order)
-    lock      lock / unlock, pin_host / unpin_host (in the tree, per component kind)
+    pin       pin / unpin, pin_host / unpin_host (in the tree, per component kind)
     refresh   refresh (LRU order after a match or insert)
     tiers     the pool names used in ``Transfer`` descriptors
 

@@ -55,4 +55,4 @@ class FullComponent(TreeComponent):
             parent.value[0], child.value[0] = value[:at], value[at:]
         if host is not None:
             parent.host_value[0], child.host_value[0] = host[:at], host[at:]
-        parent.lock[0] = child.lock[0]
+        parent.pins[0] = child.pins[0]

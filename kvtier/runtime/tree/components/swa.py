@@ -106,7 +106,7 @@ class SWAComponent(TreeComponent):
     # -- insert ----------------------------------------------------------------------------
 
     def _restorable(self, node: TreeNode, pos: int, ctx: InsertContext) -> bool:
-        return node.value[self.slot] is None and pos >= ctx.prev_prefix_len and node.lock[0] == 0
+        return node.value[self.slot] is None and pos >= ctx.prev_prefix_len and node.pins[0] == 0
 
     def insert_split_point(
         self, node: TreeNode, pos: int, n: int, ctx: InsertContext
@@ -170,8 +170,8 @@ class SWAComponent(TreeComponent):
                 self.host_lru[parent.id] = parent
                 self.host_lru.move_to_end(child.id)
         # A window pin covers consecutive nodes, so both pieces are inside it.
-        parent.lock[s] = child.lock[s]
-        parent.host_lock[s] = child.host_lock[s]
+        parent.pins[s] = child.pins[s]
+        parent.host_pins[s] = child.host_pins[s]
 
     # -- LRU -------------------------------------------------------------------------------
 
