@@ -186,7 +186,7 @@ class TieredKVCache:
                 if req.pin is not None:
                     tree.unpin(req.pin)
                 req.pin = lock
-                req.kv_slots = _path_slots(node)
+                req.kv_slots = tree.path_slots(node)
                 req.host_hit = req.kv_slots.numel() - req.device_hit
                 req.cache_protected_len = req.kv_slots.numel()
                 self.counters.load_backs += 1
@@ -690,13 +690,3 @@ def _check_count(n: int, arg: str) -> None:
         raise TypeError(f"{arg}: expected an int, got {n!r}")
     if n < 0:
         raise ValueError(f"{arg}: must be >= 0, got {n}")
-
-
-def _path_slots(node: TreeNode) -> torch.Tensor:
-    values = []
-    while node.parent is not None:
-        values.append(node.value[0])
-        node = node.parent
-    if not values:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.cat(values[::-1])

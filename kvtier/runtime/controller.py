@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -148,6 +148,13 @@ class CacheController:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True) if self.cuda else t
 
+    def _after_compute(self, stream: torch.cuda.Stream | None) -> AbstractContextManager:
+        """Issue on ``stream``, ordered after what the compute stream has queued (no-op on CPU)."""
+        if not self.cuda:
+            return nullcontext()
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
+
     def _event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event(enable_timing=True) if self.cuda else None
 
@@ -168,12 +175,7 @@ class CacheController:
             keep, nbytes = [], 0
             start = self._event()
             t0 = time.perf_counter()
-            if self.cuda:
-                self.write_stream.wait_stream(torch.cuda.current_stream(self.device))
-                ctx = torch.cuda.stream(self.write_stream)
-            else:
-                ctx = nullcontext()
-            with ctx:
+            with self._after_compute(self.write_stream):
                 # Indices first, so that the timed span holds the copies alone.
                 idx = [(t, self._to_device(t.device_indices), self._to_device(t.host_indices))
                        for t in books.transfers]
@@ -241,12 +243,7 @@ class CacheController:
         events: list[torch.cuda.Event | None] = []
         start = self._event()
         t0 = time.perf_counter()
-        if self.cuda:
-            self.load_stream.wait_stream(torch.cuda.current_stream(self.device))
-            ctx = torch.cuda.stream(self.load_stream)
-        else:
-            ctx = nullcontext()
-        with ctx:
+        with self._after_compute(self.load_stream):
             if start is not None:
                 start.record()
             for layer, (pool, pool_layer) in enumerate(self.layer_map):

@@ -13,12 +13,27 @@ keeps a warm working set small.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import numpy as np
 import torch
 
 __all__ = ["PageAllocator", "SWAPageAllocator", "SlotAllocator"]
+
+
+@contextmanager
+def _batched_free(alloc: PageAllocator | SWAPageAllocator) -> Iterator[None]:
+    """While open, ``alloc.free`` collects its slots; they are freed in one call at the end."""
+    if alloc._batch is not None:  # nested: the outer batch frees
+        yield
+        return
+    alloc._batch = batch = []
+    try:
+        yield
+    finally:
+        alloc._batch = None
+        if batch:
+            alloc.free(batch[0] if len(batch) == 1 else torch.cat(batch))
 
 
 class PageAllocator:
@@ -126,21 +141,11 @@ class PageAllocator:
             return
         self.free_pages(self.slots_to_pages(slots))
 
-    @contextmanager
-    def batched_free(self) -> Iterator[None]:
+    def batched_free(self) -> AbstractContextManager[None]:
         """Collect every ``free`` made inside, and free them in one call at the end (with the
         same checks, over the whole batch): an eviction that drops many nodes pays the
         per-call cost once. Nothing may allocate from the pool inside."""
-        if self._batch is not None:  # nested: the outer batch frees
-            yield
-            return
-        self._batch = batch = []
-        try:
-            yield
-        finally:
-            self._batch = None
-            if batch:
-                self.free(batch[0] if len(batch) == 1 else torch.cat(batch))
+        return _batched_free(self)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -296,19 +301,9 @@ class SWAPageAllocator:
         self._page_map[pages[mapped]] = -1
         return int(mapped.sum()) * self.page_size
 
-    @contextmanager
-    def batched_free(self) -> Iterator[None]:
+    def batched_free(self) -> AbstractContextManager[None]:
         """``PageAllocator.batched_free`` for the full slots (and the SWA slots they map)."""
-        if self._batch is not None:
-            yield
-            return
-        self._batch = batch = []
-        try:
-            yield
-        finally:
-            self._batch = None
-            if batch:
-                self.free(batch[0] if len(batch) == 1 else torch.cat(batch))
+        return _batched_free(self)
 
     def free(self, full_slots: torch.Tensor) -> None:
         """Free full slots and any SWA slots they map. Raises before freeing anything on a double

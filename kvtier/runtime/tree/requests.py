@@ -148,13 +148,8 @@ class RequestCache:
                 copy = MambaCopy(req.mamba_slot.reshape(1).clone(), donated)
             else:
                 self.tree.mamba.device_alloc.free(donated)
-        values = []
-        x = res.last_node
-        while x.parent is not None:
-            values.append(x.value[0])
-            x = x.parent
-        if values:
-            req.kv_slots[: res.cached_len] = torch.cat(values[::-1])
+        if res.cached_len:
+            req.kv_slots[: res.cached_len] = self.tree.path_slots(res.last_node)
         new_lock = self.tree.pin(res.last_node)
         if req.pin is not None:
             self.tree.unpin(req.pin)

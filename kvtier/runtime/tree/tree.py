@@ -134,6 +134,14 @@ class UnifiedRadixTree:
             slots = comp.device_alloc.alloc(n)
         return slots
 
+    def path_slots(self, node: TreeNode) -> torch.Tensor:
+        """FULL device slots of the path root..``node``, in token order (all on device)."""
+        values = []
+        while node.parent is not None:
+            values.append(node.value[0])
+            node = node.parent
+        return torch.cat(values[::-1]) if values else torch.empty(0, dtype=torch.int64)
+
     def _new_root(self) -> TreeNode:
         root = TreeNode([], None, len(self.components))
         root.value[0] = _EMPTY
