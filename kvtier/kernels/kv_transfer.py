@@ -17,6 +17,7 @@ Indices are int64 tensors on the device pool's device: token slots (in page-alig
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -123,6 +124,7 @@ def _kv_copy_kernel(
             tl.store(p_dev, b_x, mask=m, cache_modifier=".cs")
 
 
+@dataclass(frozen=True)
 class TransferKnobs:
     """Launch knobs for the copy kernels.
 
@@ -132,24 +134,21 @@ class TransferKnobs:
         num_warps: warps per program.
     """
 
-    __slots__ = ("num_programs", "num_warps", "tile_bytes")
+    num_programs: int = 4
+    tile_bytes: int = 65536
+    num_warps: int = 16
 
-    def __init__(self, num_programs: int = 4, tile_bytes: int = 65536, num_warps: int = 16) -> None:
-        if num_programs < 1:
-            raise ValueError(f"num_programs must be >= 1, got {num_programs}")
-        if tile_bytes < 16 or tile_bytes & (tile_bytes - 1):
-            raise ValueError(f"tile_bytes must be a power of two >= 16, got {tile_bytes}")
-        if num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps}")
-        self.num_programs = num_programs
-        self.tile_bytes = tile_bytes
-        self.num_warps = num_warps
-
-    def __repr__(self) -> str:
-        return (
-            f"TransferKnobs(num_programs={self.num_programs}, tile_bytes={self.tile_bytes}, "
-            f"num_warps={self.num_warps})"
-        )
+    def __post_init__(self) -> None:
+        for name in ("num_programs", "tile_bytes", "num_warps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {v!r}")
+        if self.num_programs < 1:
+            raise ValueError(f"num_programs must be >= 1, got {self.num_programs}")
+        if self.tile_bytes < 16 or self.tile_bytes & (self.tile_bytes - 1):
+            raise ValueError(f"tile_bytes must be a power of two >= 16, got {self.tile_bytes}")
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two in [1, 32], got {self.num_warps}")
 
 
 DEFAULT_KNOBS = TransferKnobs()
@@ -157,7 +156,7 @@ DEFAULT_KNOBS = TransferKnobs()
 
 def _check_index(t: torch.Tensor, name: str, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.int64:
         raise ValueError(f"{name}: dtype must be torch.int64, got {t.dtype}")
     if t.dim() != 1:
