@@ -42,13 +42,14 @@ from kvtier.nvtx import nvtx_range
 from kvtier.runtime.build import build_cache_parts
 from kvtier.runtime.config import CacheConfig
 from kvtier.runtime.l3.prefetch import Prefetch
+from kvtier.runtime.metrics import CacheMetrics
 from kvtier.runtime.tp import all_reduce_max
 from kvtier.runtime.tree.node import TreeNode
 from kvtier.runtime.tree.requests import CacheRequest
-from kvtier.storage import Direction, StorageBackend, Tier
+from kvtier.storage import StorageBackend
 from kvtier.storage.keys import canonical_namespace
 
-__all__ = ["CacheCounters", "Request", "TieredKVCache"]
+__all__ = ["Request", "TieredKVCache"]
 
 
 @dataclass
@@ -76,22 +77,6 @@ class Request(CacheRequest):
     def cached_len(self) -> int:
         """Prompt tokens served by the cache; the runner starts computing here."""
         return self.device_hit + self.host_hit
-
-
-@dataclass
-class CacheCounters:
-    """Monotonic counters (tokens, bytes, events)."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    device_hit_tokens: int = 0
-    host_hit_tokens: int = 0
-    load_backs: int = 0
-    load_backs_skipped: int = 0
-    evicted_tokens: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
 
 
 class TieredKVCache:
@@ -129,9 +114,11 @@ class TieredKVCache:
         self.layer_map = parts.layer_map
         self.tier_metrics = parts.tier_metrics
         self.l3 = parts.l3
-        self.counters = CacheCounters()
+        self._metrics = CacheMetrics(
+            parts.tier_metrics, parts.controller.stats, parts.l3.counters if parts.l3 else None
+        )
+        self.counters = self._metrics.counters
         self.requests: dict[int, Request] = {}
-        self._host_seen = (0, 0.0, 0, 0.0)
         if self.device.type == "cuda":
             self.warmup()
 
@@ -202,12 +189,7 @@ class TieredKVCache:
                     tree.unpin(req.pin)
                 raise
         req.computed_len = req.cached_len
-        self.counters.requests += 1
-        self.counters.prompt_tokens += len(tokens)
-        self.counters.device_hit_tokens += req.device_hit
-        self.counters.host_hit_tokens += req.host_hit
-        self.tier_metrics.add_hit_tokens(Tier.DEVICE, req.device_hit)
-        self.tier_metrics.add_hit_tokens(Tier.HOST, req.host_hit)
+        self._metrics.add_request(len(tokens), req.device_hit, req.host_hit)
         self.requests[id(req)] = req
         return req
 
@@ -525,19 +507,8 @@ class TieredKVCache:
         acks = self.controller.poll(extra)
         if self.l3 is not None:
             self.l3.apply(extra)
-        self._account_host()
+        self._metrics.sync_host()
         return acks
-
-    def _account_host(self) -> None:
-        s = self.controller.stats
-        seen = (s.d2h_timed_bytes, s.d2h_seconds, s.h2d_timed_bytes, s.h2d_seconds)
-        old, self._host_seen = self._host_seen, seen
-        if seen[0] > old[0]:
-            self.tier_metrics.add_transfer(Tier.HOST, Direction.WRITE, seen[0] - old[0],
-                                           seen[1] - old[1])
-        if seen[2] > old[2]:
-            self.tier_metrics.add_transfer(Tier.HOST, Direction.READ, seen[2] - old[2],
-                                           seen[3] - old[3])
 
     def evict(self, tokens: int) -> int:
         """Free at least ``tokens`` FULL device slots if possible; returns tokens freed."""
@@ -589,51 +560,17 @@ class TieredKVCache:
         self.tree.check_integrity(self.request_owned(), held)
 
     def metrics(self) -> dict[str, float]:
-        """Monotonic counters as a flat dict: the cache's own, the copies', and per tier
-        (``tier.hit_tokens.storage``, ``tier.gbps.storage.read``, ``tier.prefetch.complete``,
-        ``tier.backup_failures``, ...) and the L3 decisions (``l3.*``)."""
-        s = self.controller.stats
-        out: dict[str, float] = self.counters.as_dict()
-        out.update(
-            d2h_bytes=s.d2h_bytes,
-            h2d_bytes=s.h2d_bytes,
-            backups=s.backups,
-            backups_refused=s.backups_refused,
-            write_back_backups=s.write_back_backups,
-            loads=s.loads,
-            d2h_seconds=s.d2h_seconds,
-            h2d_seconds=s.h2d_seconds,
-            d2h_gbps=s.gbps("d2h"),
-            h2d_gbps=s.gbps("h2d"),
-            d2h_ack_ms_mean=1e3 * s.d2h_ack_seconds / s.d2h_acked if s.d2h_acked else 0.0,
-            h2d_ack_ms_mean=1e3 * s.h2d_ack_seconds / s.h2d_acked if s.h2d_acked else 0.0,
-        )
-        out.update({f"tier.{k}": v for k, v in self.tier_metrics.snapshot().items()})
-        if self.l3 is not None:
-            out.update({f"l3.{k}": v for k, v in sorted(self.l3.counters.items())})
-        return out
+        """Every counter as a flat dict (``CacheMetrics.snapshot``): hit tokens per tier, bytes,
+        GB/s, submit-to-ack latency, prefetch outcomes, backup failures, L3 decisions."""
+        return self._metrics.snapshot()
 
     def prometheus(self) -> str:
-        """Per-tier counters (hits, bytes, GB/s, prefetch outcomes, backup failures) and the L3
-        decisions, in Prometheus text format."""
-        text = self.tier_metrics.prometheus()
-        if self.l3 is None:
-            return text
-        c = self.l3.counters
-        lines = [
-            "# HELP kvtier_l3_decisions_total L3 hits loaded or recomputed (load-or-recompute).",
-            "# TYPE kvtier_l3_decisions_total counter",
-            f'kvtier_l3_decisions_total{{decision="load"}} {c["l3_decision_load"]}',
-            f'kvtier_l3_decisions_total{{decision="recompute"}} {c["l3_decision_recompute"]}',
-            "# HELP kvtier_prefetch_revoked_total Prefetches revoked, by reason.",
-            "# TYPE kvtier_prefetch_revoked_total counter",
-        ]
-        for reason in ("below_threshold", "declined", "host_capacity", "timed_out"):
-            lines.append(
-                f'kvtier_prefetch_revoked_total{{reason="{reason}"}} '
-                f'{c[f"prefetch_revoked_{reason}"]}'
-            )
-        return text + "\n".join(lines) + "\n"
+        """Every counter in Prometheus text format."""
+        return self._metrics.prometheus()
+
+    def metrics_collector(self):
+        """A ``prometheus_client`` collector of every counter, for the engine's registry."""
+        return self._metrics.collector()
 
 
 def token_list(token_ids) -> list[int]:

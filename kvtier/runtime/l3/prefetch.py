@@ -8,7 +8,7 @@ One prefetch, :class:`Prefetch`, goes through three states; the scheduler thread
            A hit the host cannot take, even after evicting host leaves (already in L3), is cut:
            FULL-only models read the pages that fit; models with SWA or Mamba query again for
            the longest prefix that fits and still has its window and state (``cut_pages``),
-           and are revoked ("host_capacity") if there is none
+           and are revoked (``RevokeReason.HOST_CAPACITY``) if there is none
     load   the IO thread reads KV pages in batches into the prefetch's host slots, stopping at the
            first shortfall; the DSA indexer's pages (per KV page, in the KV pages' host pages)
            follow each batch once its KV pages arrived, and a page counts only with both; only
@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -41,9 +42,18 @@ from kvtier.runtime.tree.tree import UnifiedRadixTree
 from kvtier.runtime.tree.types import HostPinHandle
 from kvtier.storage import ALL_PAGES, TRAILING_PAGES, PoolTransfer, PrefetchOutcome, StorageBackend
 
-__all__ = ["Prefetch", "PrefetchWorkers", "attach_swa"]
+__all__ = ["Prefetch", "PrefetchWorkers", "RevokeReason", "attach_swa"]
 
 log = logging.getLogger(__name__)
+
+
+class RevokeReason(str, Enum):
+    """Why a prefetch was revoked before anything was grafted."""
+
+    BELOW_THRESHOLD = "below_threshold"  # L3 holds less than ``prefetch_min_tokens`` more
+    DECLINED = "declined"  # loading would be slower than recomputing
+    HOST_CAPACITY = "host_capacity"  # no usable prefix fits the host pool
+    TIMED_OUT = "timed_out"  # the existence query did not answer in time
 
 
 @dataclass(eq=False)
@@ -54,8 +64,7 @@ class Prefetch:
         tokens: the page-aligned tokens after the anchor that were looked up.
         state: "query", "load" or "done".
         outcome: how it ended (a ``PrefetchOutcome``), once done.
-        reason: why it was revoked ("below_threshold", "declined", "host_capacity",
-            "timed_out"), else "".
+        reason: why it was revoked (a ``RevokeReason``), else None.
         planned_pages: agreed hit pages that were read (0 until loading).
         loaded_tokens: tokens grafted onto the tree from L3.
         loaded_range: the positions ``[start, end)`` of the request those tokens fill (the
@@ -72,7 +81,7 @@ class Prefetch:
     start: float = field(default_factory=time.monotonic)
     state: str = "query"
     outcome: PrefetchOutcome | None = None
-    reason: str = ""
+    reason: RevokeReason | None = None
     planned_pages: int = 0
     loaded_tokens: int = 0
     loaded_range: tuple[int, int] | None = None

@@ -24,7 +24,7 @@ import torch
 
 from kvtier.runtime.l3.backup import BackupJob, BackupWriter
 from kvtier.runtime.l3.pools import L3Pool, namespace_for
-from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, attach_swa
+from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, RevokeReason, attach_swa
 from kvtier.runtime.l3.votes import (
     LOAD_SLOTS,
     QUERY_SLOTS,
@@ -367,21 +367,21 @@ class L3Tier:
         """
         if hits < self.threshold_pages:
             if not op.query_done.is_set():
-                reason = "timed_out"
+                reason = RevokeReason.TIMED_OUT
             elif op.cut_pages:  # no usable prefix fits the host: reading any would be wasted
-                reason = "host_capacity"
+                reason = RevokeReason.HOST_CAPACITY
             else:
-                reason = "below_threshold"
+                reason = RevokeReason.BELOW_THRESHOLD
             return self._revoke(op, reason)
         if not op.cut_pages:  # a re-query is the same decision, counted once
             self.counters["l3_decision_load" if worth else "l3_decision_recompute"] += 1
         if not worth:
-            return self._revoke(op, "declined")
+            return self._revoke(op, RevokeReason.DECLINED)
         P, tree = self.cfg.page_size, self.tree
         fit = self._host_room(hits)
         if fit < hits:
             if fit < self.threshold_pages:
-                return self._revoke(op, "host_capacity")
+                return self._revoke(op, RevokeReason.HOST_CAPACITY)
             if self._trailing:
                 # SWA and Mamba data exist only at some page ends: a prefix cut at an arbitrary
                 # page may have neither, and its KV pages could never be matched. Ask the store
@@ -401,7 +401,7 @@ class L3Tier:
             tree.mamba is not None and op.mamba_slot is None
         ):
             self._release_now(op)
-            return self._revoke(op, "host_capacity")
+            return self._revoke(op, RevokeReason.HOST_CAPACITY)
         op.state = "load"
         self._loading.append(op)
         self.workers.load(op)
@@ -428,10 +428,12 @@ class L3Tier:
         self._querying.append(op)
         self.workers.query(op)
 
-    def _revoke(self, op: Prefetch, reason: str) -> None:
+    def _revoke(self, op: Prefetch, reason: RevokeReason) -> None:
         op.reason = reason
-        self.counters[f"prefetch_revoked_{reason}"] += 1
-        outcome = PrefetchOutcome.TIMED_OUT if reason == "timed_out" else PrefetchOutcome.REVOKED
+        self.counters[f"prefetch_revoked_{reason.value}"] += 1
+        outcome = (
+            PrefetchOutcome.TIMED_OUT if reason is RevokeReason.TIMED_OUT else PrefetchOutcome.REVOKED
+        )
         self._end(op, outcome)
 
     def _end(self, op: Prefetch, outcome: PrefetchOutcome) -> None:

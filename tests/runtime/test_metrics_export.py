@@ -1,0 +1,55 @@
+"""One snapshot, one Prometheus text, one prometheus_client collector, all from the same counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.runtime.cache import TieredKVCache
+from kvtier.runtime.config import CacheConfig
+
+P = 4
+
+
+def served_cache() -> TieredKVCache:
+    cfg = CacheConfig(layer_kinds=("full",), kv_heads=1, head_dim=4, page_size=P,
+                      device_tokens=32, dtype=torch.float32, host_ratio=4.0)
+    cache = TieredKVCache(cfg)
+    for _ in range(2):
+        req = cache.match(list(range(1, 14)))
+        cache.reserve(req, 16)
+        cache.begin_step(req, 16)
+        cache.computed(req, 16)
+        req.token_ids = list(range(1, 17))
+        cache.cache_finished_req(req)
+        cache.poll()
+    cache.drain()
+    cache.evict(32)
+    return cache
+
+
+def test_snapshot_and_text_agree():
+    cache = served_cache()
+    m = cache.metrics()
+    assert m["requests"] == 2 and m["device_hit_tokens"] == 12 and m["backups"] >= 1
+    assert m["evicted_tokens"] > 0 and m["tier.hit_tokens.device"] == 12
+    text = cache.prometheus()
+    assert "kvtier_requests_total 2" in text
+    assert f"kvtier_evicted_tokens_total {m['evicted_tokens']}" in text
+    assert 'kvtier_copies_total{direction="d2h"} ' + str(m["backups"]) in text
+
+
+def test_collector_joins_a_prometheus_client_registry():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    cache = served_cache()
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(cache.metrics_collector())
+    assert registry.get_sample_value("kvtier_requests_total") == 2
+    assert registry.get_sample_value("kvtier_copies_total", {"direction": "d2h"}) == (
+        cache.metrics()["backups"]
+    )
+    assert registry.get_sample_value(
+        "kvtier_hit_tokens_total", {"tier": "device"}
+    ) == cache.metrics()["tier.hit_tokens.device"]
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "kvtier_evicted_tokens_total" in text
