@@ -38,11 +38,10 @@ import torch
 
 from kvtier.runtime.l3.pools import L3Pool
 from kvtier.runtime.tree.node import TreeNode
-from kvtier.runtime.tree.tree import UnifiedRadixTree
 from kvtier.runtime.tree.types import HostPinHandle
 from kvtier.storage import ALL_PAGES, TRAILING_PAGES, PoolTransfer, PrefetchOutcome, StorageBackend
 
-__all__ = ["Prefetch", "PrefetchWorkers", "RevokeReason", "attach_swa"]
+__all__ = ["Prefetch", "PrefetchWorkers", "RevokeReason"]
 
 log = logging.getLogger(__name__)
 
@@ -244,21 +243,3 @@ class PrefetchWorkers:
         with op.mutex:
             op.swa_hit = op.swa_pages if swa_ok else 0
             op.mamba_hit = int("mamba" in res.ok and all(res.ok["mamba"]))
-
-
-def attach_swa(tree: UnifiedRadixTree, op: Prefetch, end: TreeNode) -> torch.Tensor:
-    """Give nodes from ``end`` up to the anchor the prefetched SWA window where they lack SWA
-    host data; returns a bool mask of the window's token slots the tree took."""
-    s, P = tree.swa.slot, tree.page_size
-    lo = end.end - op.swa_pages * P
-    used = torch.zeros(op.swa_slots.numel(), dtype=torch.bool)
-    x = end
-    while x is not op.anchor and x.parent is not None and x.end > lo:
-        if x.host_value[s] is None and x.host_value[0] is not None:
-            if x.start < lo:
-                tree.split(x, lo - x.start)  # x keeps the lower, in-window piece
-            a, b = x.start - lo, x.end - lo
-            tree.set_host(x, s, op.swa_slots[a:b].clone())
-            used[a:b] = True
-        x = x.parent
-    return used

@@ -24,7 +24,7 @@ import torch
 
 from kvtier.runtime.l3.backup import BackupJob, BackupWriter
 from kvtier.runtime.l3.pools import L3Pool, namespace_for
-from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, RevokeReason, attach_swa
+from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, RevokeReason
 from kvtier.runtime.l3.votes import (
     LOAD_SLOTS,
     QUERY_SLOTS,
@@ -465,7 +465,11 @@ class L3Tier:
         whole = end is not None and pages == op.planned_pages
         swa_ok = whole and swa == op.swa_pages and op.swa_pages > 0
         if op.swa_slots is not None:
-            used = attach_swa(tree, op, end) if swa_ok else torch.zeros(0, dtype=torch.bool)
+            used = (
+                tree.graft_swa_window(op.anchor, end, op.swa_slots, op.swa_pages)
+                if swa_ok
+                else torch.zeros(0, dtype=torch.bool)
+            )
             if used.numel():
                 _free(tree.swa.host_alloc, op.swa_slots[~used])
             else:

@@ -291,6 +291,27 @@ class HostTier:
         self.tree._touch(leaf)
         return leaf, pos
 
+    def graft_swa_window(
+        self, anchor: TreeNode, end: TreeNode, swa_slots: torch.Tensor, swa_pages: int
+    ) -> torch.Tensor:
+        """Give the nodes from ``end`` up to ``anchor`` that hold FULL but no SWA host data the
+        SWA window read from L3 into ``swa_slots`` (the ``swa_pages`` pages ending at ``end``);
+        returns a bool mask of the slots the tree took (the caller keeps the others)."""
+        tree = self.tree
+        s, P = tree.swa.slot, tree.page_size
+        lo = end.end - swa_pages * P
+        used = torch.zeros(swa_slots.numel(), dtype=torch.bool)
+        x = end
+        while x is not anchor and x.parent is not None and x.end > lo:
+            if x.host_value[s] is None and x.host_value[0] is not None:
+                if x.start < lo:
+                    tree.split(x, lo - x.start)  # x keeps the lower, in-window piece
+                a, b = x.start - lo, x.end - lo
+                tree.set_host(x, s, swa_slots[a:b].clone())
+                used[a:b] = True
+            x = x.parent
+        return used
+
     def finish_load_back(self, load: LoadBack) -> None:
         """The H→D copies of ``load`` are done: drop its device pin and host pin."""
         self.tree.unpin(load.pin)

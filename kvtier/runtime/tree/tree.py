@@ -506,6 +506,10 @@ class UnifiedRadixTree:
         return self.host_tier.graft_host(anchor, tokens, host_slots_per_pool, page_hashes,
                                          namespace)
 
+    def graft_swa_window(self, anchor, end, swa_slots, swa_pages) -> torch.Tensor:
+        """See ``HostTier.graft_swa_window``."""
+        return self.host_tier.graft_swa_window(anchor, end, swa_slots, swa_pages)
+
     def cache_finished_req(self, req) -> None:
         """See ``RequestCache.cache_finished_req``."""
         self.requests.cache_finished_req(req)
