@@ -30,8 +30,9 @@ class HybridModelConfig:
     ``[mamba_heads, mamba_head_dim, mamba_state]`` fp32), read out as ``y_t = S_t C_t + D x_t``
     and gated by ``silu(z_t)``.
 
-    ``dtype`` is the storage dtype of K/V and of the conv state (the pools' dtype); all math runs
-    in fp32. ``seed`` fixes the random weights. At least one layer must be "full": its token
+    ``dtype`` is the storage dtype of K/V and of the conv state (the pools' dtype); the math runs
+    in float64 on integer grids (see :mod:`kvtier.example.layers`), the Mamba recurrence in fp32
+    (its state's dtype). ``seed`` fixes the random weights. At least one layer must be "full": its token
     slots are the index space the cache tree keys on.
     """
 

@@ -24,6 +24,7 @@ import torch
 
 from kvtier.example.config import HybridModelConfig
 from kvtier.example.layers import (
+    MAX_KEYS,
     AttentionWeights,
     MambaWeights,
     attend,
@@ -32,8 +33,9 @@ from kvtier.example.layers import (
     linear,
     mamba_mix,
     mlp,
-    rms_norm,
     rope_cos_sin,
+    rope_frequencies,
+    softmax_grid,
 )
 from kvtier.example.pools import ModelPools
 from kvtier.runtime.pools.device import MHADevicePool
@@ -49,35 +51,41 @@ class Generation(NamedTuple):
 
 
 class _KeyPlan(NamedTuple):
-    """Which pool slots an attention layer reads for a chunk: ``slots [B, S]`` (``B`` is 1 when
-    all queries share the keys), ``visible [M, S]``. Hidden entries point at a slot the chunk
-    just wrote, so they are read but weigh exactly zero; no entry is ever -1."""
+    """Which pool slots an attention layer reads for a chunk, shared by all its queries:
+    ``slots [S]`` (never -1), ``bias [M, 1, S]`` float64 (0 where a query sees the key, ``-inf``
+    where not) and ``grid [M, 1, 1]`` (:func:`softmax_grid`), the layout :func:`attend` takes."""
 
     slots: torch.Tensor
-    visible: torch.Tensor
+    bias: torch.Tensor
+    grid: torch.Tensor
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+def _key_plan(slots: torch.Tensor, visible: torch.Tensor, counts: list[int]) -> _KeyPlan:
+    bias = torch.where(visible, 0.0, float("-inf")).to(torch.float64)[:, None]
+    grid = [softmax_grid(n) for n in counts]
+    return _KeyPlan(
+        slots, bias, torch.tensor(grid, dtype=torch.float64).to(slots.device)[:, None, None]
+    )
 
 
-def _full_keys(row: torch.Tensor, positions: torch.Tensor) -> _KeyPlan:
-    """Key ``j`` is position ``j`` for every query, so a key's place on the axis (and with it the
-    summation tree) never depends on the chunk; the axis is padded to a power of two with hidden
-    keys so that it grows only at doublings."""
+def _full_keys(row: torch.Tensor, positions: torch.Tensor, start: int) -> _KeyPlan:
+    """Keys: positions ``[0, end)``; query ``t`` sees ``[0, t]``. Sums over keys are exact, so
+    where a key sits on the axis, and how many hidden keys follow, change no bit."""
     end = row.numel()
-    j = torch.arange(_pow2(end), device=row.device)
-    return _KeyPlan(row[j.clamp(max=end - 1)][None], j[None] <= positions[:, None])
+    j = torch.arange(end, device=row.device)
+    return _key_plan(row, j[None] <= positions[:, None], list(range(start + 1, end + 1)))
 
 
-def _window_keys(row: torch.Tensor, positions: torch.Tensor, window: int) -> _KeyPlan:
-    """Key ``o`` of query ``t`` is position ``t - S + 1 + o`` (``S = pow2(window)``): the last
-    ``window`` of them are visible (those at positions >= 0), the earlier ones hidden."""
-    width = _pow2(window)
+def _window_keys(
+    row: torch.Tensor, positions: torch.Tensor, window: int, start: int, lo: int
+) -> _KeyPlan:
+    """Keys: positions ``[lo, end)`` (``lo`` is where the first query's window starts); query
+    ``t`` sees ``[t - window + 1, t]``."""
+    end = row.numel()
+    j = torch.arange(lo, end, device=row.device)[None]
     t = positions[:, None]
-    pos = t - (width - 1) + torch.arange(width, device=row.device)  # [M, S]
-    visible = (pos > t - window) & (pos >= 0)
-    return _KeyPlan(torch.where(visible, row[pos.clamp(min=0)], row[t]), visible)
+    visible = (j <= t) & (j > t - window)
+    return _key_plan(row[lo:], visible, [min(t + 1, window) for t in range(start, end)])
 
 
 def _slot_row(name: str, row: torch.Tensor | None, lo: int, end: int, size: int) -> torch.Tensor:
@@ -88,9 +96,9 @@ def _slot_row(name: str, row: torch.Tensor | None, lo: int, end: int, size: int)
     if row.numel() < end:
         raise ValueError(f"{name}: {row.numel()} slots for positions [0, {end})")
     used = row[lo:end]
-    bad = ((used < 0) | (used >= size)).nonzero()
-    if bad.numel():  # checked here so that no slot, -1 least of all, ever indexes a pool
-        i = int(bad[0])
+    low, high = (int(v) for v in torch.aminmax(used))  # one reduction on the common path
+    if low < 0 or high >= size:  # checked here so that no slot, -1 least of all, indexes a pool
+        i = int(((used < 0) | (used >= size)).nonzero()[0])
         raise ValueError(
             f"{name}: slots of positions [{lo}, {end}) must lie in [0, {size}) (the new tokens "
             f"read them); position {lo + i} has slot {int(used[i])}"
@@ -109,7 +117,8 @@ class HybridModel:
     def __init__(self, config: HybridModelConfig, device: torch.device | str = "cpu") -> None:
         self.config = config
         self.device = torch.device(device)
-        self.embed, self.layers, self.final_norm, self.lm_head = init_weights(config, self.device)
+        self.embed, self.layers, self.lm_head = init_weights(config, self.device)
+        self._rope = rope_frequencies(config, self.device)
 
     def new_pools(
         self, full_size: int, swa_size: int | None = None, mamba_size: int = 1, page_size: int = 1
@@ -168,10 +177,10 @@ class HybridModel:
         checkpoints = self._check_mamba(mamba_slot, mamba_checkpoints, start_pos, end, pools)
 
         positions = torch.arange(start_pos, end, device=self.device)
-        cos, sin = rope_cos_sin(positions, c)
-        plans = {"full": _full_keys(full, positions)}
+        cos, sin = rope_cos_sin(positions, self._rope)
+        plans = {"full": _full_keys(full, positions, start_pos)}
         if swa is not None:
-            plans["swa"] = _window_keys(swa, positions, c.swa_window)
+            plans["swa"] = _window_keys(swa, positions, c.swa_window, start_pos, lo)
         h = self.embed[torch.tensor(list(token_ids), device=self.device)]  # [n, hidden]
         for layer, kind in enumerate(c.layer_kinds):
             if wait_layer is not None:
@@ -187,7 +196,7 @@ class HybridModel:
                 new_slots = (full if kind == "full" else swa)[start_pos:]
                 h = self._attention_layer(h, cos, sin, mixer, pool, idx, new_slots, plans[kind])
             h = mlp(h, mlp_w)
-        return linear(rms_norm(h, self.final_norm), self.lm_head)
+        return linear(h, self.lm_head).float()
 
     def _attention_layer(
         self,
@@ -206,7 +215,7 @@ class HybridModel:
         q, k, v = attention_qkv(h, cos, sin, w, self.config)
         k_buf[new_slots] = k.to(k_buf.dtype)
         v_buf[new_slots] = v.to(v_buf.dtype)
-        out = attend(q, k_buf[keys.slots].float(), v_buf[keys.slots].float(), keys.visible)
+        out = attend(q, k_buf[keys.slots], v_buf[keys.slots], keys.bias, keys.grid)
         return h + linear(out, w.wo)
 
     def _mamba_layer(
@@ -242,6 +251,10 @@ class HybridModel:
             raise ValueError(f"token_ids: {bad[:4]} outside [0, {self.config.vocab})")
         if start_pos < 0:
             raise ValueError(f"start_pos must be >= 0, got {start_pos}")
+        if start_pos + len(token_ids) > MAX_KEYS:  # past it the attention sums could round
+            raise ValueError(
+                f"start_pos: {start_pos} + {len(token_ids)} tokens exceed {MAX_KEYS} positions"
+            )
         pools.check(self.config)
 
     def _check_mamba(

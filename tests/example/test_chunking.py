@@ -2,7 +2,9 @@
 
 The model prefills a chunk with one projection, one rotation and one masked attention per layer;
 these tests prove that grouping positions differently changes no logit and no pool byte (full
-K/V, SWA K/V, Mamba state), and that the per-layer functions run once per layer per forward.
+K/V, SWA K/V, Mamba state), on the test shapes and on the demo's wider model, and that the
+per-layer functions run once per layer per forward. The math they rest on is tested in
+``test_exact_math.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 import kvtier.example.model as model_module
 from kvtier.example import HybridModel
-from kvtier.example.layers import fold_sum, linear
+from kvtier.example.demo import DemoConfig
 from tests.example.helpers import (
     CONFIGS,
     assert_equal,
@@ -137,15 +139,10 @@ def test_one_call_per_layer_per_forward(device, monkeypatch) -> None:
         assert calls == {**expected, "mlp": c.num_layers}, f"positions [{a}, {b})"
 
 
-def test_fold_sum_ignores_batch_shape_and_trailing_zeros(device) -> None:
-    """The two properties the model's exactness rests on, checked on awkward lengths."""
-    gen = torch.Generator().manual_seed(56)
-    for n in (1, 3, 12, 16, 37):
-        x = torch.randn(9, 5, n, generator=gen).to(device) * 100
-        ref = torch.stack([fold_sum(x[i, j], -1) for i in range(9) for j in range(5)]).view(9, 5)
-        assert_equal(f"fold_sum over {n}: batched vs one row at a time", ref, fold_sum(x, -1))
-        padded = torch.cat([x, torch.zeros(9, 5, 2 * n + 1, device=device)], -1)
-        assert_equal(f"fold_sum over {n}: with trailing zeros", ref, fold_sum(padded, -1))
-        w = torch.randn(7, n, generator=gen).to(device)
-        rows = torch.cat([linear(x[i], w) for i in range(9)])
-        assert_equal(f"linear over {n}: batched vs row blocks", rows, linear(x.view(45, n), w))
+def test_demo_model_chunkings_equal_one_chunk(device) -> None:
+    """The demo's wider default model (GEMM-sized projections) under a few chunkings."""
+    model = HybridModel(DemoConfig().model, device)
+    toks = tokens(N, model.config.vocab, seed=57)
+    ref = run_chunks(model, toks, [0, N], seed=58)
+    for size, first in ((1, 0), (16, 0), (16, 7), (5, 3)):
+        assert_same_state(model, ref, run_chunks(model, toks, chunk_bounds(size, first), seed=59))
