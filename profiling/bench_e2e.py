@@ -13,27 +13,33 @@ prompt whose first 7K tokens are cached on host only (backed up, then evicted fr
 
 Usage::
 
-    python profiling/bench_e2e.py --out profiling/results
+    python3 -m profiling.bench_e2e --out profiling/results
+    python3 -m profiling.bench_e2e --smoke --out /tmp/e2e    # tiny shapes on CPU: the flow only
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from kvtier.kernels import TransferKnobs, set_debug_checks  # noqa: E402
-from kvtier.runtime.cache import TieredKVCache  # noqa: E402
-from kvtier.runtime.config import CacheConfig  # noqa: E402
+from kvtier.kernels import TransferKnobs, set_debug_checks
+from kvtier.runtime.cache import TieredKVCache
+from kvtier.runtime.config import CacheConfig
+from profiling.common import (
+    environment,
+    gbs,
+    header_lines,
+    median,
+    percentiles,
+    sync,
+    wall_samples_s,
+)
 
 L, HIDDEN, QH, KVH, HD, FFN, VOCAB = 32, 4096, 32, 8, 128, 14336, 32000
 
@@ -57,8 +63,14 @@ class LlamaShaped:
         self.w2 = [w(FFN, HIDDEN) for _ in range(layers)]
         self.lm_head = w(HIDDEN, VOCAB)
 
-    def forward(self, cache: TieredKVCache, tokens: torch.Tensor, start: int, slots: torch.Tensor,
-                wait: bool) -> torch.Tensor:
+    def forward(
+        self,
+        cache: TieredKVCache,
+        tokens: torch.Tensor,
+        start: int,
+        slots: torch.Tensor,
+        wait: bool,
+    ) -> torch.Tensor:
         n = tokens.numel()
         end = start + n
         x = self.embed[tokens]
@@ -89,29 +101,10 @@ class LlamaShaped:
         return F.rms_norm(x[-1:], (HIDDEN,)) @ self.lm_head
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, reps: int) -> list[float]:
-    out = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="profiling/results")
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--cached", type=int, default=7168)
@@ -131,9 +124,15 @@ def main() -> None:
     torch.manual_seed(0)
     P = 16
     cfg = CacheConfig(
-        layer_kinds=("full",) * args.layers, kv_heads=KVH, head_dim=HD, page_size=P,
-        device_tokens=4 * args.prompt, dtype=torch.bfloat16, host_ratio=2.0,
-        write_policy="write_through", device=dev.type,
+        layer_kinds=("full",) * args.layers,
+        kv_heads=KVH,
+        head_dim=HD,
+        page_size=P,
+        device_tokens=4 * args.prompt,
+        dtype=torch.bfloat16,
+        host_ratio=2.0,
+        write_policy="write_through",
+        device=dev.type,
         knobs=TransferKnobs(num_programs=args.programs) if args.programs else None,
     )
     cache = TieredKVCache(cfg)
@@ -197,8 +196,10 @@ def main() -> None:
             if i:
                 samples.append(dt)
         results[mode] = samples
-        print(f"{mode:10s} median {median(samples) * 1e3:8.2f} ms  hits(device, host)={hits[mode]}",
-              flush=True)
+        print(
+            f"{mode:10s} median {median(samples) * 1e3:8.2f} ms  hits(device, host)={hits[mode]}",
+            flush=True,
+        )
 
     fresh = [0]
 
@@ -216,33 +217,46 @@ def main() -> None:
         cache.cache_finished_req(req)
 
     recompute()
-    results["recompute"] = timed(recompute, args.reps)
+    results["recompute"] = wall_samples_s(recompute, args.reps)
     print(f"recompute  median {median(results['recompute']) * 1e3:8.2f} ms", flush=True)
 
     med = {k: median(v) for k, v in results.items()}
     bound = max(med["transfer"], med["compute"])
-    gpu = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else "cpu (smoke)"
-    info = dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda,
-                python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                command="python " + " ".join(sys.argv), prompt=args.prompt, cached=args.cached,
-                layers=args.layers, knobs=repr(cfg.knobs), transfer_bytes=args.cached * cache.full_pool.bytes_per_token)
+    info = environment() | {
+        "prompt": args.prompt,
+        "cached": args.cached,
+        "layers": args.layers,
+        "knobs": repr(cfg.knobs),
+        "transfer_bytes": args.cached * cache.full_pool.bytes_per_token,
+    }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
-        json.dump(dict(info=info, samples=results, medians=med, hits=hits), f, indent=1)
-    gbps = info["transfer_bytes"] / med["transfer"] / 1e9
+        json.dump(
+            {
+                "info": info,
+                "samples": results,
+                "medians": med,
+                "hits": hits,
+                "percentiles": {k: percentiles(v) for k, v in results.items()},
+            },
+            f,
+            indent=1,
+        )
+    gbps = gbs(info["transfer_bytes"], med["transfer"] * 1e3)
     lines = [
         "# Time to first token with a host-cached prefix",
         "",
-        f"- GPU: {info['gpu']}; torch {info['torch']}, CUDA {info['cuda']}, Python {info['python']}",
-        f"- Date: {info['date']}",
-        f"- Command: `{info['command']}`",
-        f"- Model: Llama-3-8B-shaped random bf16 weights, {args.layers} layers, hidden {HIDDEN}, "
-        f"{QH} q heads, {KVH} KV heads, head_dim {HD}, MLP {FFN}; SDPA attention over K/V gathered "
-        "from kvtier's device pool; no RoPE (random weights, it does not change the timing much).",
-        f"- Prompt {args.prompt} tokens, first {args.cached} cached on host only "
-        f"({info['transfer_bytes'] / 2**20:.0f} MiB of K/V, page 16, host layout page_first); "
-        f"median of {args.reps} runs, wall clock from match to logits.",
+        *header_lines(info),
+        (
+            f"- Model: Llama-3-8B-shaped random bf16 weights, {args.layers} layers, hidden {HIDDEN}, "
+            f"{QH} q heads, {KVH} KV heads, head_dim {HD}, MLP {FFN}; SDPA attention over K/V gathered "
+            "from kvtier's device pool; no RoPE (random weights, it does not change the timing much)."
+        ),
+        (
+            f"- Prompt {args.prompt} tokens, first {args.cached} cached on host only "
+            f"({info['transfer_bytes'] / 2**20:.0f} MiB of K/V, page 16, host layout page_first); "
+            f"median of {args.reps} runs, wall clock from match to logits."
+        ),
         "",
         "| mode | TTFT ms | vs recompute |",
         "|---|---|---|",
@@ -252,11 +266,15 @@ def main() -> None:
     lines += [
         "",
         f"- Host-hit TTFT (overlapped) / recompute: {med['overlap'] / med['recompute']:.2f} (target ≤ 0.5)",
-        f"- Overlapped / max(pure transfer, pure compute) = {med['overlap'] * 1e3:.2f} / {bound * 1e3:.2f} ms "
-        f"= {med['overlap'] / bound:.2f} (target ≤ 1.10)",
+        (
+            f"- Overlapped / max(pure transfer, pure compute) = {med['overlap'] * 1e3:.2f} / {bound * 1e3:.2f} ms "
+            f"= {med['overlap'] / bound:.2f} (target ≤ 1.10)"
+        ),
         f"- Load-first / overlapped: {med['load_first'] / med['overlap']:.2f}",
-        f"- Pure transfer: {gbps:.1f} GB/s ({args.cached} tokens x {cache.full_pool.bytes_per_token} B), "
-        "including match, load-back books and launches",
+        (
+            f"- Pure transfer: {gbps:.1f} GB/s ({args.cached} tokens x {cache.full_pool.bytes_per_token} B), "
+            "including match, load-back books and launches"
+        ),
     ]
     with open(os.path.join(args.out, "bench_e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -269,9 +287,16 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     modes = ["recompute", "load_first", "overlap", "transfer", "compute"]
-    ax.bar(modes, [med[m] * 1e3 for m in modes], color=["gray", "tab:orange", "tab:green", "tab:blue", "tab:purple"])
+    ax.bar(
+        modes,
+        [med[m] * 1e3 for m in modes],
+        color=["gray", "tab:orange", "tab:green", "tab:blue", "tab:purple"],
+    )
     ax.set_ylabel("ms (median)")
-    ax.set_title(f"TTFT, {args.prompt}-token prompt, {args.cached} cached on host — {info['gpu']}", fontsize=9)
+    where = info["gpu"] or f"CPU {info['cpu']}"
+    ax.set_title(
+        f"TTFT, {args.prompt}-token prompt, {args.cached} cached on host — {where}", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "bench_e2e.png"), dpi=130)
 

@@ -13,52 +13,39 @@ Measures, in one run on one GPU:
 
 Usage::
 
-    python profiling/bench_hybrid.py --out profiling/results
+    python3 -m profiling.bench_hybrid --out profiling/results
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 
 import torch
-import triton
-from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from kvtier.kernels import TransferKnobs, set_debug_checks  # noqa: E402
-from kvtier.kernels.pack import device_knobs  # noqa: E402
-from kvtier.runtime.pools.device import MHADevicePool  # noqa: E402
-from kvtier.runtime.pools.host import HostPool  # noqa: E402
-from kvtier.runtime.pools.indexer import IndexerDevicePool  # noqa: E402
-from kvtier.runtime.pools.mamba import MambaDevicePool, MambaHostPool, MambaStateSpec  # noqa: E402
-
-
-def gbs(nbytes: int, ms: float) -> float:
-    return nbytes / (ms * 1e-3) / 1e9
-
-
-def bench(fn, rep: int = 100) -> float:
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+from kvtier.kernels import DEFAULT_KNOBS, TransferKnobs, set_debug_checks
+from kvtier.kernels.pack import device_knobs
+from kvtier.runtime.pools.device import MHADevicePool
+from kvtier.runtime.pools.host import HostPool
+from kvtier.runtime.pools.indexer import IndexerDevicePool
+from kvtier.runtime.pools.mamba import MambaDevicePool, MambaHostPool, MambaStateSpec
+from profiling.common import environment, gbs, header_lines, median_ms
 
 
 def ce_ceiling(nbytes: int, direction: str) -> float:
     d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     if direction == "d2h":
-        return gbs(nbytes, bench(lambda: h.copy_(d, non_blocking=True)))
-    return gbs(nbytes, bench(lambda: d.copy_(h, non_blocking=True)))
+        return gbs(nbytes, median_ms(lambda: h.copy_(d, non_blocking=True)))
+    return gbs(nbytes, median_ms(lambda: d.copy_(h, non_blocking=True)))
 
 
 def d2d_ceiling(nbytes: int) -> float:
     a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    return gbs(nbytes, bench(lambda: b.copy_(a)))
+    return gbs(nbytes, median_ms(lambda: b.copy_(a)))
 
 
 def mamba_rows(out: list, knobs: TransferKnobs) -> None:
@@ -73,14 +60,27 @@ def mamba_rows(out: list, knobs: TransferKnobs) -> None:
         nbytes = n * pool.slot_bytes
         for direction in ("d2h", "h2d"):
             if direction == "d2h":
-                ms = bench(lambda: host.backup(dev, hs, check=False))
+                ms = median_ms(lambda: host.backup(dev, hs, check=False))
             else:
-                ms = bench(lambda: host.load(hs, dev, check=False))
+                ms = median_ms(lambda: host.load(hs, dev, check=False))
             g, c = gbs(nbytes, ms), ce_ceiling(nbytes, direction)
-            out.append(dict(what="mamba slots", direction=direction, n=n, mib=nbytes / 2**20,
-                            gbs=g, ceiling=c, pct=100 * g / c, programs=knobs.num_programs))
-            print(f"mamba {direction} {n:3d} slots {nbytes / 2**20:8.1f} MiB {g:6.1f} GB/s "
-                  f"= {100 * g / c:5.1f}% of CE {c:.1f}", flush=True)
+            out.append(
+                {
+                    "what": "mamba slots",
+                    "direction": direction,
+                    "n": n,
+                    "mib": nbytes / 2**20,
+                    "gbs": g,
+                    "ceiling": c,
+                    "pct": 100 * g / c,
+                    "programs": knobs.num_programs,
+                }
+            )
+            print(
+                f"mamba {direction} {n:3d} slots {nbytes / 2**20:8.1f} MiB {g:6.1f} GB/s "
+                f"= {100 * g / c:5.1f}% of CE {c:.1f}",
+                flush=True,
+            )
 
 
 def kv_pack_rows(out: list, sweep: list) -> None:
@@ -90,9 +90,11 @@ def kv_pack_rows(out: list, sweep: list) -> None:
     pool.v_buffer.view(torch.uint8).random_(0, 256)
     idx = IndexerDevicePool(61, 512, 64, device="cuda")
     idx.buffer.random_(0, 256)
-    cases = [("kv page_first_direct", HostPool(pool, "page_first_direct", size=P * 64), pool),
-             ("kv page_first", HostPool(pool, "page_first", size=P * 64), pool),
-             ("indexer page_first", HostPool(idx, "page_first", size=64), idx)]
+    cases = [
+        ("kv page_first_direct", HostPool(pool, "page_first_direct", size=P * 64), pool),
+        ("kv page_first", HostPool(pool, "page_first", size=P * 64), pool),
+        ("indexer page_first", HostPool(idx, "page_first", size=64), idx),
+    ]
     for name, host, dpool in cases:
         n_pages_pool = dpool.size // dpool.page_size
         for n in (64, 256):
@@ -100,8 +102,8 @@ def kv_pack_rows(out: list, sweep: list) -> None:
             flat = torch.empty((n, host.page_bytes), dtype=torch.uint8, device="cuda")
             nbytes = n * host.page_bytes
             ceil = d2d_ceiling(nbytes)
-            pack = bench(lambda: host.device_to_flat(pages, flat, check=False))
-            unpack = bench(lambda: host.flat_to_device(flat, pages, check=False))
+            pack = median_ms(lambda: host.device_to_flat(pages, flat, check=False))
+            unpack = median_ms(lambda: host.flat_to_device(flat, pages, check=False))
             cat = None
             if dpool is pool:
                 slots = [torch.arange(p * P, p * P + P, device="cuda") for p in pages.tolist()]
@@ -120,28 +122,62 @@ def kv_pack_rows(out: list, sweep: list) -> None:
                         objs.append(torch.cat(parts))
                     return objs
 
-                cat = bench(cat_pack, rep=50)
+                cat = median_ms(cat_pack, rep_ms=50)
             else:
-                def cat_pack():
-                    return [torch.cat([idx.buffer[l, p] for l in range(idx.num_layers)]) for p in pages.tolist()]
 
-                cat = bench(cat_pack, rep=50)
-            row = dict(what=f"{name} pack", n=n, mib=nbytes / 2**20, gbs=gbs(nbytes, pack), ceiling=ceil,
-                       pct=100 * gbs(nbytes, pack) / ceil, cat_gbs=gbs(nbytes, cat), speedup=cat / pack)
+                def cat_pack():
+                    return [
+                        torch.cat([idx.buffer[l, p] for l in range(idx.num_layers)])
+                        for p in pages.tolist()
+                    ]
+
+                cat = median_ms(cat_pack, rep_ms=50)
+            row = {
+                "what": f"{name} pack",
+                "n": n,
+                "mib": nbytes / 2**20,
+                "gbs": gbs(nbytes, pack),
+                "ceiling": ceil,
+                "pct": 100 * gbs(nbytes, pack) / ceil,
+                "cat_gbs": gbs(nbytes, cat),
+                "speedup": cat / pack,
+            }
             out.append(row)
-            out.append(dict(what=f"{name} unpack", n=n, mib=nbytes / 2**20, gbs=gbs(nbytes, unpack),
-                            ceiling=ceil, pct=100 * gbs(nbytes, unpack) / ceil))
-            print(f"{name:22s} n={n:4d} pack {gbs(nbytes, pack):7.0f} GB/s unpack {gbs(nbytes, unpack):7.0f} "
-                  f"GB/s device copy_ {ceil:7.0f} GB/s ({row['pct']:.0f}%) torch.cat {gbs(nbytes, cat):6.1f} GB/s "
-                  f"-> {row['speedup']:.1f}x", flush=True)
+            out.append(
+                {
+                    "what": f"{name} unpack",
+                    "n": n,
+                    "mib": nbytes / 2**20,
+                    "gbs": gbs(nbytes, unpack),
+                    "ceiling": ceil,
+                    "pct": 100 * gbs(nbytes, unpack) / ceil,
+                }
+            )
+            print(
+                f"{name:22s} n={n:4d} pack {gbs(nbytes, pack):7.0f} GB/s unpack {gbs(nbytes, unpack):7.0f} "
+                f"GB/s device copy_ {ceil:7.0f} GB/s ({row['pct']:.0f}%) torch.cat {gbs(nbytes, cat):6.1f} GB/s "
+                f"-> {row['speedup']:.1f}x",
+                flush=True,
+            )
             # fused D→flat straight into pinned host staging
             stage = host.new_staging(n)
-            fused = bench(lambda: host.device_to_flat(pages, stage, check=False))
+            fused = median_ms(lambda: host.device_to_flat(pages, stage, check=False))
             c = ce_ceiling(nbytes, "d2h")
-            out.append(dict(what=f"{name} fused D->flat pinned", n=n, mib=nbytes / 2**20,
-                            gbs=gbs(nbytes, fused), ceiling=c, pct=100 * gbs(nbytes, fused) / c))
-            print(f"{name:22s} n={n:4d} fused D->flat pinned {gbs(nbytes, fused):6.1f} GB/s "
-                  f"= {100 * gbs(nbytes, fused) / c:.1f}% of CE", flush=True)
+            out.append(
+                {
+                    "what": f"{name} fused D->flat pinned",
+                    "n": n,
+                    "mib": nbytes / 2**20,
+                    "gbs": gbs(nbytes, fused),
+                    "ceiling": c,
+                    "pct": 100 * gbs(nbytes, fused) / c,
+                }
+            )
+            print(
+                f"{name:22s} n={n:4d} fused D->flat pinned {gbs(nbytes, fused):6.1f} GB/s "
+                f"= {100 * gbs(nbytes, fused) / c:.1f}% of CE",
+                flush=True,
+            )
     # grid/tile sweep for device-side packing (KV, 256 pages)
     host = cases[0][1]
     pages = torch.randperm(1024)[:256].cuda()
@@ -153,54 +189,82 @@ def kv_pack_rows(out: list, sweep: list) -> None:
         for tile in (8192, 16384, 32768):
             for nw in (4, 8):
                 k = TransferKnobs(sms * mult, tile, nw)
-                g = gbs(nbytes, bench(lambda: host.device_to_flat(pages, flat, knobs=k, check=False), rep=40))
-                sweep.append(dict(programs=sms * mult, tile_bytes=tile, num_warps=nw, gbs=g, pct=100 * g / ceil))
-                print(f"pack sweep programs={sms * mult} tile={tile} warps={nw}: {g:.0f} GB/s "
-                      f"{100 * g / ceil:.0f}%", flush=True)
+                g = gbs(
+                    nbytes,
+                    median_ms(
+                        lambda: host.device_to_flat(pages, flat, knobs=k, check=False), rep_ms=40
+                    ),
+                )
+                sweep.append(
+                    {
+                        "programs": sms * mult,
+                        "tile_bytes": tile,
+                        "num_warps": nw,
+                        "gbs": g,
+                        "pct": 100 * g / ceil,
+                    }
+                )
+                print(
+                    f"pack sweep programs={sms * mult} tile={tile} warps={nw}: {g:.0f} GB/s "
+                    f"{100 * g / ceil:.0f}%",
+                    flush=True,
+                )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="profiling/results")
     ap.add_argument("--mamba-programs", type=int, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_hybrid needs a CUDA GPU")
     set_debug_checks(False)
-    p = torch.cuda.get_device_properties(0)
-    info = dict(gpu=p.name, sms=p.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
-                cuda=torch.version.cuda, python=platform.python_version(),
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                device_knobs=repr(device_knobs(torch.device("cuda"))))
+    info = environment() | {"device_knobs": repr(device_knobs(torch.device("cuda")))}
     print(info, flush=True)
-    from kvtier.kernels import DEFAULT_KNOBS
-
-    mk = TransferKnobs(args.mamba_programs, DEFAULT_KNOBS.tile_bytes, DEFAULT_KNOBS.num_warps) \
-        if args.mamba_programs else DEFAULT_KNOBS
+    mk = (
+        TransferKnobs(args.mamba_programs, DEFAULT_KNOBS.tile_bytes, DEFAULT_KNOBS.num_warps)
+        if args.mamba_programs
+        else DEFAULT_KNOBS
+    )
     rows, sweep = [], []
     mamba_rows(rows, mk)
     kv_pack_rows(rows, sweep)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_hybrid.json"), "w") as f:
-        json.dump(dict(info=info, rows=rows, sweep=sweep), f, indent=1)
-    cmd = "python " + " ".join(sys.argv)
-    lines = ["# Hybrid pages: Mamba slots and flat-page packing", "",
-             f"- GPU: {info['gpu']} ({info['sms']} SMs); torch {info['torch']}, triton {info['triton']}, "
-             f"CUDA {info['cuda']}", f"- Date: {info['date']}", f"- Command: `{cmd}`",
-             f"- Mamba knobs: {mk!r}; device-side packing knobs: {info['device_knobs']}",
-             "- Ceilings measured in the same run: contiguous pinned `copy_` (copy engine) for D↔H, "
-             "device `copy_` of the same bytes for on-device packing. GB/s = bytes of the page "
-             "objects / median time.", "",
-             "| what | dir | n | MiB | GB/s | ceiling GB/s | % ceiling | per-page torch.cat GB/s | speed-up vs cat |",
-             "|---|---|---|---|---|---|---|---|---|"]
+        json.dump({"info": info, "rows": rows, "sweep": sweep}, f, indent=1)
+    lines = [
+        "# Hybrid pages: Mamba slots and flat-page packing",
+        "",
+        *header_lines(info),
+        f"- Mamba knobs: {mk!r}; device-side packing knobs: {info['device_knobs']}",
+        (
+            "- Ceilings measured in the same run: contiguous pinned `copy_` (copy engine) for D↔H, "
+            "device `copy_` of the same bytes for on-device packing. GB/s = bytes of the page "
+            "objects / median time."
+        ),
+        "",
+        "| what | dir | n | MiB | GB/s | ceiling GB/s | % ceiling | per-page torch.cat GB/s | speed-up vs cat |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['what']} | {r.get('direction', '')} | {r['n']} | {r['mib']:.1f} | {r['gbs']:.1f} | "
-                     f"{r['ceiling']:.1f} | {r['pct']:.1f}% | {r.get('cat_gbs', 0) or '':.4} | "
-                     f"{(str(round(r['speedup'], 1)) + 'x') if 'speedup' in r else ''} |")
-    lines += ["", "## Device-side pack: grid and tile sweep (KV page_first_direct, 256 pages)", "",
-              "| programs | tile bytes | warps | GB/s | % device copy_ |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['what']} | {r.get('direction', '')} | {r['n']} | {r['mib']:.1f} | {r['gbs']:.1f} | "
+            f"{r['ceiling']:.1f} | {r['pct']:.1f}% | {r.get('cat_gbs', 0) or '':.4} | "
+            f"{(str(round(r['speedup'], 1)) + 'x') if 'speedup' in r else ''} |"
+        )
+    lines += [
+        "",
+        "## Device-side pack: grid and tile sweep (KV page_first_direct, 256 pages)",
+        "",
+        "| programs | tile bytes | warps | GB/s | % device copy_ |",
+        "|---|---|---|---|---|",
+    ]
     for s in sweep:
-        lines.append(f"| {s['programs']} | {s['tile_bytes']} | {s['num_warps']} | {s['gbs']:.0f} | {s['pct']:.0f}% |")
+        lines.append(
+            f"| {s['programs']} | {s['tile_bytes']} | {s['num_warps']} | {s['gbs']:.0f} | {s['pct']:.0f}% |"
+        )
     with open(os.path.join(args.out, "bench_hybrid.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -220,7 +284,9 @@ def main() -> None:
     cats = [r for r in rows if "speedup" in r]
     ax[1].bar(range(len(cats)), [r["speedup"] for r in cats])
     ax[1].set_xticks(range(len(cats)))
-    ax[1].set_xticklabels([f"{r['what'].replace(' pack', '')}\nn={r['n']}" for r in cats], fontsize=6)
+    ax[1].set_xticklabels(
+        [f"{r['what'].replace(' pack', '')}\nn={r['n']}" for r in cats], fontsize=6
+    )
     ax[1].axhline(10, ls="--", color="k", lw=0.7)
     ax[1].set_yscale("log")
     ax[1].set_ylabel("speed-up of kvtier pack over per-page torch.cat")

@@ -12,8 +12,8 @@ Measures, in one run on one GPU:
 
 Usage::
 
-    python profiling/bench_transfer.py --out profiling/results            # full run
-    python profiling/bench_transfer.py --sweep-only --tune                 # knob sweep only
+    python3 -m profiling.bench_transfer --out profiling/results            # full run
+    python3 -m profiling.bench_transfer --sweep-only --tune                 # knob sweep only
 
 Writes ``bench_transfer.md``, ``bench_transfer.json`` and ``bench_transfer.png`` into ``--out``.
 """
@@ -21,19 +21,13 @@ Writes ``bench_transfer.md``, ``bench_transfer.json`` and ``bench_transfer.png``
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
-import triton
-from triton.testing import do_bench
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvtier.kernels import (
     DEFAULT_KNOBS,
@@ -46,10 +40,11 @@ from kvtier.kernels import (
     set_debug_checks,
 )
 from kvtier.kernels.reference import host_byte_view, ref_copy_kv
+from profiling.common import environment, gbs, header_lines, median_ms
 
 MODELS = {
-    "llama3-8b": dict(buffers=2, layers=32, item=(8, 128)),
-    "mla-576": dict(buffers=1, layers=61, item=(1, 576)),
+    "llama3-8b": {"buffers": 2, "layers": 32, "item": (8, 128)},
+    "mla-576": {"buffers": 1, "layers": 61, "item": (1, 576)},
 }
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 N_TOKENS = 8192
@@ -75,14 +70,6 @@ class Row:
         return 100.0 * self.kvtier_gbs / self.ceiling_gbs
 
 
-def gbs(nbytes: int, ms: float) -> float:
-    return nbytes / (ms * 1e-3) / 1e9
-
-
-def bench(fn, rep: int = 60) -> float:
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
-
-
 class Ceiling:
     """Contiguous pinned copy_ of n bytes, cached by (n, direction)."""
 
@@ -95,9 +82,9 @@ class Ceiling:
             d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
             h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             if direction == "d2h":
-                ms = bench(lambda: h.copy_(d, non_blocking=True))
+                ms = median_ms(lambda: h.copy_(d, non_blocking=True), rep_ms=60)
             else:
-                ms = bench(lambda: d.copy_(h, non_blocking=True))
+                ms = median_ms(lambda: d.copy_(h, non_blocking=True), rep_ms=60)
             self.cache[key] = gbs(nbytes, ms)
             del d, h
         return self.cache[key]
@@ -185,7 +172,7 @@ def transfer_ops(dev, host, didx, hidx, d2h: bool, scope: str, knobs: TransferKn
 def measure(
     model: str, knobs: TransferKnobs, rows: list[Row], ceiling: Ceiling, baselines: bool
 ) -> None:
-    dev, stacks, cfg = make_pools(model)
+    dev, _stacks, cfg = make_pools(model)
     gen = torch.Generator().manual_seed(0)
     for layout in LAYOUTS:
         for P in (1, 16, 64):
@@ -197,14 +184,14 @@ def measure(
                     n_sel = 1 if scope == "layer" else dev.num_layers
                     nbytes = N_TOKENS * dev.num_buffers * n_sel * dev.item_bytes
                     fn, ref = transfer_ops(dev, host, didx, hidx, d2h, scope, knobs)
-                    k_gbs = gbs(nbytes, bench(fn))
+                    k_gbs = gbs(nbytes, median_ms(fn, rep_ms=60))
                     t_gbs = pp_gbs = None
                     if baselines:
-                        t_gbs = gbs(nbytes, bench(ref, rep=30))
+                        t_gbs = gbs(nbytes, median_ms(ref, rep_ms=30))
                         layers = [0] if scope == "layer" else range(dev.num_layers)
                         loop, calls = per_page_loop(dev, host, didx, hidx, d2h, layers)
                         if calls <= 20000:
-                            pp_gbs = gbs(nbytes, bench(loop, rep=30))
+                            pp_gbs = gbs(nbytes, median_ms(loop, rep_ms=30))
                     row = Row(
                         model,
                         layout,
@@ -229,7 +216,7 @@ def measure(
 
 def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
     """Bandwidth against grid size (and tile bytes / warps with ``tune``), Llama shape, P=16."""
-    dev, stacks, cfg = make_pools("llama3-8b")
+    dev, _stacks, cfg = make_pools("llama3-8b")
     gen = torch.Generator().manual_seed(1)
     out = []
     cases = [
@@ -261,19 +248,19 @@ def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
                         fn = partial(
                             copy_host_to_device, host, dev, hidx, didx, layer=layer, knobs=knobs
                         )
-                    g = gbs(nbytes, bench(fn, rep=40))
+                    g = gbs(nbytes, median_ms(fn, rep_ms=40))
                     out.append(
-                        dict(
-                            layout=layout,
-                            direction=direction,
-                            page_size=P,
-                            scope="all" if layer is None else "layer",
-                            programs=programs,
-                            tile_bytes=tile,
-                            num_warps=nw,
-                            gbs=g,
-                            pct=100 * g / ceil,
-                        )
+                        {
+                            "layout": layout,
+                            "direction": direction,
+                            "page_size": P,
+                            "scope": "all" if layer is None else "layer",
+                            "programs": programs,
+                            "tile_bytes": tile,
+                            "num_warps": nw,
+                            "gbs": g,
+                            "pct": 100 * g / ceil,
+                        }
                     )
                     print(
                         f"sweep {layout:12s} {direction} prog={programs:<3d} tile={tile:<6d} "
@@ -283,50 +270,36 @@ def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
     return out
 
 
-def env_info() -> dict:
-    p = torch.cuda.get_device_properties(0)
-    return dict(
-        gpu=p.name,
-        sms=p.multi_processor_count,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda,
-        python=platform.python_version(),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    )
-
-
-def write_report(
-    out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs, cmd: str
-) -> None:
+def write_report(out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench_transfer.json"), "w") as f:
         json.dump(
-            dict(
-                info=info,
-                knobs=repr(knobs),
-                rows=[asdict(r) | {"pct": r.pct} for r in rows],
-                sweep=sweep_rows,
-            ),
+            {
+                "info": info,
+                "knobs": repr(knobs),
+                "rows": [asdict(r) | {"pct": r.pct} for r in rows],
+                "sweep": sweep_rows,
+            },
             f,
             indent=1,
         )
     lines = [
         "# D↔H KV transfer bandwidth",
         "",
-        f"- GPU: {info['gpu']} ({info['sms']} SMs); torch {info['torch']}, triton {info['triton']}, "
-        f"CUDA {info['cuda']}, Python {info['python']}",
-        f"- Date: {info['date']}",
-        f"- Command: `{cmd}`",
+        *header_lines(info),
         f"- kvtier knobs: {knobs!r}",
-        f"- {N_TOKENS} tokens in random pages of a {POOL_TOKENS}-slot pool; GB/s = bytes moved / "
-        "median time (`triton.testing.do_bench`). Ceiling = contiguous pinned `copy_` of the same "
-        "bytes in the same run. torch-index = advanced indexing through a pageable temporary "
-        "(the reference implementation). per-page = one `copy_` per (buffer, layer, page); "
-        "'—' where that would be over 20k calls.",
+        (
+            f"- {N_TOKENS} tokens in random pages of a {POOL_TOKENS}-slot pool; GB/s = bytes moved / "
+            "median time (`triton.testing.do_bench`). Ceiling = contiguous pinned `copy_` of the same "
+            "bytes in the same run. torch-index = advanced indexing through a pageable temporary "
+            "(the reference implementation). per-page = one `copy_` per (buffer, layer, page); "
+            "'—' where that would be over 20k calls."
+        ),
         "",
-        "| model | layout | P | dir | scope | MB | kvtier GB/s | ceiling GB/s | % ceiling | "
-        "torch-index GB/s | per-page copy_ GB/s |",
+        (
+            "| model | layout | P | dir | scope | MB | kvtier GB/s | ceiling GB/s | % ceiling | "
+            "torch-index GB/s | per-page copy_ GB/s |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -382,7 +355,12 @@ def plot(out: str, info: dict, rows: list[Row], sweep_rows: list[dict], knobs) -
         ax = axes[1]
         best = {}
         for s in sweep_rows:
-            key = (f"{s['layout']} P{s.get('page_size', 16)}", s["direction"], s["scope"], s["programs"])
+            key = (
+                f"{s['layout']} P{s.get('page_size', 16)}",
+                s["direction"],
+                s["scope"],
+                s["programs"],
+            )
             best[key] = max(best.get(key, 0), s["pct"])
         for case in sorted({k[:3] for k in best}):
             xs = sorted(p for (lay, d, sc, p) in best if (lay, d, sc) == case)
@@ -418,7 +396,7 @@ def main() -> None:
         args.tile_bytes or DEFAULT_KNOBS.tile_bytes,
         args.num_warps or DEFAULT_KNOBS.num_warps,
     )
-    info = env_info()
+    info = environment()
     print(info, knobs, flush=True)
     ceiling = Ceiling()
     rows: list[Row] = []
@@ -426,7 +404,7 @@ def main() -> None:
     if not args.sweep_only:
         for model in MODELS:
             measure(model, knobs, rows, ceiling, not args.no_baselines)
-    write_report(args.out, info, rows, sweep_rows, knobs, "python " + " ".join(sys.argv))
+    write_report(args.out, info, rows, sweep_rows, knobs)
 
 
 if __name__ == "__main__":

@@ -9,15 +9,13 @@ Two tree sizes: "small" (the trace alone on a pool sized so the tree stays near 
 when an allocation fails, 1/32 of the pool is evicted, and those calls are timed separately) and
 "large" (the tree pre-filled to ~10^5 nodes; no eviction).
 
-    python3 profiling/bench_tree.py --requests 10000 --out profiling/results
+    python3 -m profiling.bench_tree --requests 10000 --out profiling/results
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import platform
 import random
 import statistics
 import time
@@ -26,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.runtime import TreeConfig, build_tree
+from profiling.common import environment, header_lines, median, percentiles
 
 P = 16
 SYS_LEN, MSG_LEN, TURNS = 1024, 128, 4
@@ -90,7 +89,9 @@ def prefill(tree, kv, n_docs: int, seed: int) -> None:
         for _ in range(48):
             seq = doc + [rng.randrange(32000) for _ in range(P)]
             m = tree.match_prefix(seq)
-            tree.insert(seq, torch.cat([m.device_indices, kv.alloc(P)]), prev_prefix_len=m.device_len)
+            tree.insert(
+                seq, torch.cat([m.device_indices, kv.alloc(P)]), prev_prefix_len=m.device_len
+            )
 
 
 def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac: int = 32) -> Row:
@@ -110,7 +111,7 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
         prompt = tokens[: len(tokens) - MSG_LEN]
         t0 = clock()
         m = tree.match_prefix(prompt)
-        handle = tree.lock(m.last_device_node)
+        handle = tree.pin(m.last_device_node)
         t1 = clock()
         need = len(tokens) - m.device_len
         slots = kv.alloc(need)
@@ -122,7 +123,7 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
         row = torch.cat([m.device_indices, slots])
         t2 = clock()
         tree.insert(tokens, row, prev_prefix_len=m.device_len)
-        tree.unlock(handle)
+        tree.unpin(handle)
         t3 = clock()
         costs.append((t1 - t0 + t3 - t2) / 1e3)
         match_costs.append((t1 - t0) / 1e3)
@@ -134,21 +135,21 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
     buckets: dict[int, list[float]] = {}
     for c, p in zip(costs, pages):
         buckets.setdefault(p // 16 * 16, []).append(c)
-    costs_sorted = sorted(costs)
+    pct = percentiles(costs, (50, 99))
     return Row(
         name,
         len(costs),
-        statistics.median(costs),
-        costs_sorted[int(0.99 * len(costs)) - 1],
+        pct[50],
+        pct[99],
         statistics.fmean(costs),
         nodes_start,
         round(statistics.fmean(sizes[len(sizes) // 2 :])),
         max(sizes),
-        statistics.median(match_costs),
-        statistics.median(insert_costs),
+        median(match_costs),
+        median(insert_costs),
         len(evicts),
-        statistics.median(evicts) if evicts else 0.0,
-        {k: statistics.median(v) for k, v in sorted(buckets.items()) if len(v) >= 20},
+        median(evicts) if evicts else 0.0,
+        {k: median(v) for k, v in sorted(buckets.items()) if len(v) >= 20},
     )
 
 
@@ -161,7 +162,9 @@ def plot(rows: list[Row], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for r in rows:
         xs = list(r.by_pages)
-        ax.plot(xs, [r.by_pages[x] for x in xs], marker="o", label=f"{r.name} (~{r.nodes_mean:,} nodes)")
+        ax.plot(
+            xs, [r.by_pages[x] for x in xs], marker="o", label=f"{r.name} (~{r.nodes_mean:,} nodes)"
+        )
     ax.axhline(50, color="grey", ls="--", lw=1, label="target median 50 µs")
     ax.set_xlabel("matched pages (bucket start, P=16)")
     ax.set_ylabel("median µs per request (match+lock+insert+unlock)")
@@ -173,7 +176,9 @@ def plot(rows: list[Row], path: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--out", default="profiling/results")
     args = ap.parse_args()
@@ -185,26 +190,24 @@ def main() -> None:
     for r in rows:
         print(r)
     plot(rows, f"{args.out}/bench_tree.png")
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
     lines = [
         "# bench_tree: radix tree scheduler-side cost per request",
         "",
-        (f"- date: {datetime.date.today()}; CPU: {cpu}, {platform.machine()}; python "
-        f"{platform.python_version()}, torch {torch.__version__}"),
-        f"- command: `python3 profiling/bench_tree.py --requests {args.requests}`",
-        (f"- trace: {args.requests} requests, 16 system prompts of {SYS_LEN} tokens, {TURNS}-turn "
-        f"conversations (+{2 * MSG_LEN} tokens a turn, prompts up to ~2k tokens), 25% branches; P={P}"),
-        ("- cost = match_prefix + lock, then insert + unlock (allocation and row concat not timed);"
-        " gc.freeze() after the tree is pre-filled"),
+        *header_lines(environment()),
+        (
+            f"- trace: {args.requests} requests, 16 system prompts of {SYS_LEN} tokens, {TURNS}-turn "
+            f"conversations (+{2 * MSG_LEN} tokens a turn, prompts up to ~2k tokens), 25% branches; P={P}"
+        ),
+        (
+            "- cost = match_prefix + lock, then insert + unlock (allocation and row concat not timed);"
+            " gc.freeze() after the tree is pre-filled"
+        ),
         "- the machine has 2 cores shared with another engineer's test runs: expect noise",
         "",
-        ("| tree | requests | live nodes: start / mean of 2nd half / max | median µs | p99 µs | mean µs | "
-         "median match+lock / insert+unlock µs | evict calls (median µs) |"),
+        (
+            "| tree | requests | live nodes: start / mean of 2nd half / max | median µs | p99 µs | mean µs | "
+            "median match+lock / insert+unlock µs | evict calls (median µs) |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -1,4 +1,7 @@
-"""Bad input to the copy kernels and pools raises ValueError naming the argument; nothing moves."""
+"""Bad input to the copy kernels raises ValueError naming the argument; nothing moves.
+
+Pool construction errors are tested with the pools, in ``tests/runtime/pools/test_bad_input.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +10,6 @@ import torch
 
 from kvtier.kernels import DeviceBuffers, HostBuffer, copy_device_to_host, copy_host_to_device
 from kvtier.kernels.dispatch import select_impl
-from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
-from kvtier.runtime.pools.host import HostPool
 from tests.kernels.helpers import as_bytes, clone_host, make_device, make_host
 
 P = 4
@@ -180,21 +181,3 @@ def test_checks_can_be_skipped_but_default_on(pools, device):
         copy_device_to_host(dev, host, slots(1, device=device) + 1, slots(0, device=device))
     # check=False skips the read-back; a valid call still works
     copy_device_to_host(dev, host, slots(1, device=device), slots(0, device=device), check=False)
-
-
-def test_pool_construction_errors(device):
-    with pytest.raises(ValueError, match="page_size must be in"):
-        MHADevicePool(2, 16, 2, 8, device=device, page_size=0)
-    with pytest.raises(ValueError, match="multiple of page_size"):
-        MHADevicePool(2, 18, 2, 8, device=device, page_size=4)
-    pool = MLADevicePool(2, 16, 64, device=device, page_size=4)
-    with pytest.raises(ValueError, match="exactly one of size, size_bytes, ratio"):
-        HostPool(pool, "layer_first", size=16, ratio=2.0)
-    with pytest.raises(ValueError, match="less than one page"):
-        HostPool(pool, "layer_first", size_bytes=10)
-    with pytest.raises(ValueError, match="layout: unknown host layout"):
-        HostPool(pool, "page_head", ratio=1.0)
-    with pytest.raises(ValueError, match=r"k_layers: expected \[size, kv_heads, head_dim\]"):
-        MHADevicePool.wrap(
-            [torch.zeros(16, 8, device=device)], [torch.zeros(16, 8, device=device)], 4
-        )

@@ -17,21 +17,9 @@ import torch.multiprocessing as mp
 
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig
-from tests.runtime.test_cache import forward
+from tests.runtime.synthetic import fingerprint, forward
 
 STEPS = 14
-
-
-def fingerprint(cache: TieredKVCache) -> list:
-    out = []
-    for node in cache.tree.all_nodes():
-        out.append((
-            tuple(node.key),
-            tuple(v is not None for v in node.value),
-            tuple(h is not None for h in node.host_value),
-            tuple(node.pins),
-        ))
-    return out
 
 
 def workload(cache: TieredKVCache, step: int) -> None:

@@ -21,6 +21,7 @@ from kvtier.kernels.layout import DeviceBuffers, HostBuffer, HostLayout, host_sh
 from kvtier.kernels.pack import pack_pages, unpack_pages
 from kvtier.runtime.pools.allocator import PageAllocator
 from kvtier.runtime.pools.device import DevicePool
+from kvtier.runtime.pools.pinned import host_empty
 
 __all__ = ["HostPool", "host_size_for"]
 
@@ -87,7 +88,7 @@ class HostPool:
             self.layout, dev.num_buffers, dev.num_layers, self.size, self.page_size, dev.item_shape
         )
         pin = torch.cuda.is_available() if pin is None else pin
-        self.tensor = torch.empty(shape, dtype=dev.dtype, pin_memory=pin)
+        self.tensor = host_empty(shape, dev.dtype, pin=pin)
         self.buffer = HostBuffer.create(
             self.tensor,
             self.layout,

@@ -25,6 +25,7 @@ from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer
 from kvtier.runtime.pools.allocator import SlotAllocator
 from kvtier.runtime.pools.host import host_size_for
+from kvtier.runtime.pools.pinned import host_empty
 
 __all__ = ["MambaDevicePool", "MambaHostPool", "MambaStateSpec", "slot_buffers"]
 
@@ -236,9 +237,7 @@ class MambaHostPool:
         self.device_pool = device_pool
         self.size = host_size_for(device_pool, size=size, size_bytes=size_bytes, ratio=ratio)
         pin = torch.cuda.is_available() if pin is None else pin
-        self.tensor = torch.empty(
-            (self.size, device_pool.slot_bytes), dtype=torch.uint8, pin_memory=pin
-        )
+        self.tensor = host_empty((self.size, device_pool.slot_bytes), torch.uint8, pin=pin)
         self.buffers = slot_buffers(self.tensor, device_pool, arg="host")
         self.allocator = SlotAllocator(self.size, name="host mamba")
         self.knobs = knobs

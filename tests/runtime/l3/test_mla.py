@@ -11,51 +11,22 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 
 import pytest
-import torch
 
 from kvtier.runtime.cache import TieredKVCache
-from kvtier.runtime.config import StorageConfig
 from kvtier.storage import KeyScope, PrefetchOutcome, create_backend
-from tests.runtime.test_mla_indexer import P, mla_config, run_turn
-from tests.storage.conftest import mooncake_master, segment_holder  # noqa: F401
+from tests.runtime.l3.helpers import (
+    PROMPT_TOKENS,
+    conversations,
+    make_mla_l3_cache,
+    prefetch_and_run,
+    second_turn,
+)
+from tests.runtime.synthetic_mla import P, run_turn
 
 SEED = 23
-PROMPT_TOKENS = 20
-PREFETCH_BOUND_S = 10.0
 REPLICATED = KeyScope(replicated=True)
-
-
-def make_cache(backend, layout: str = "page_first", batch_pages: int = 128) -> TieredKVCache:
-    st = StorageConfig(prefetch_min_tokens=4, prefetch_policy="wait_complete",
-                       batch_pages=batch_pages)
-    cfg = mla_config(layout=layout, device_tokens=96, host_ratio=4.0, storage=st,
-                     model_id="synthetic-mla")
-    return TieredKVCache(cfg, storage_backend=backend)
-
-
-def conversations(seed: int, n: int = 3) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 50, (PROMPT_TOKENS,), generator=gen).tolist() for _ in range(n)]
-
-
-def second_turn(conv: list[int]) -> list[int]:
-    return conv + [7, 7, 7] + [1, 2]
-
-
-def prefetch_and_run(cache: TieredKVCache, prompt: list[int]):
-    """Prefetch ``prompt``, stepping until done (bounded), then run it; returns (prefetch, req)."""
-    pf = cache.prefetch(prompt)
-    assert pf is not None, "prefetch not started"
-    start = time.monotonic()
-    while not pf.done:
-        assert time.monotonic() - start < PREFETCH_BOUND_S, f"prefetch stuck: {pf}"
-        cache.l3.wait_some(0.05)
-        cache.poll()
-        cache.check_integrity()
-    return pf, run_turn(cache, prompt)
 
 
 def _backend(kind: str, where: str):
@@ -69,7 +40,7 @@ def _producer(kind: str, where: str, layouts: list[str]) -> None:
     backend = _backend(kind, where)
     caches = []  # kept alive: a freed host pool's address may come back, already registered
     for layout in layouts:
-        cache = make_cache(backend, layout, batch_pages=2)
+        cache = make_mla_l3_cache(backend, layout, batch_pages=2)
         for conv in conversations(SEED):
             run_turn(cache, conv)
         cache.drain()
@@ -91,9 +62,10 @@ def run_producer(kind: str, where: str, layouts: list[str]) -> None:
 
 def consume(backend, layout: str) -> TieredKVCache:
     """A fresh cache that prefetches and runs every follow-up prompt exactly."""
-    cache = make_cache(backend, layout, batch_pages=2)  # several KV + indexer batches per read
+    # several KV + indexer batches per read
+    cache = make_mla_l3_cache(backend, layout, batch_pages=2)
     for conv in conversations(SEED):
-        pf, req = prefetch_and_run(cache, second_turn(conv))
+        pf, req = prefetch_and_run(cache, second_turn(conv), run_turn)
         assert pf.outcome is PrefetchOutcome.COMPLETE, (layout, pf)
         assert req.device_hit == 0 and req.host_hit == PROMPT_TOKENS, (layout, req)
     cache.drain()
@@ -104,13 +76,6 @@ def consume(backend, layout: str) -> TieredKVCache:
     pages = 3 * PROMPT_TOKENS // P
     assert m["tier.bytes.storage.read"] >= pages * (kv_page + idx_page), m
     return cache
-
-
-@pytest.fixture(params=["file", "mooncake"])
-def l3_location(request, tmp_path) -> tuple[str, str]:
-    if request.param == "file":
-        return "file", str(tmp_path / "l3")
-    return "mooncake", request.getfixturevalue("segment_holder")
 
 
 @pytest.mark.timeout(180)
@@ -137,8 +102,8 @@ def test_missing_indexer_pages_are_a_miss(tmp_path):
         if name.split(".")[1] == "indexer":
             os.remove(tmp_path / name)
     backend = _backend("file", str(tmp_path))
-    cache = make_cache(backend)
-    pf, req = prefetch_and_run(cache, second_turn(conversations(SEED)[0]))
+    cache = make_mla_l3_cache(backend)
+    pf, req = prefetch_and_run(cache, second_turn(conversations(SEED)[0]), run_turn)
     assert pf.outcome is PrefetchOutcome.REVOKED and pf.reason == "below_threshold", pf
     assert req.cached_len == 0
     cache.check_integrity()
@@ -147,4 +112,4 @@ def test_missing_indexer_pages_are_a_miss(tmp_path):
 
 def test_given_backend_needs_the_cache_key_scope(tmp_path):
     with pytest.raises(ValueError, match="storage_backend: its key scope"):
-        make_cache(create_backend("file", root=tmp_path))
+        make_mla_l3_cache(create_backend("file", root=tmp_path))

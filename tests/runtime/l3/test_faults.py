@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.storage import PrefetchOutcome, create_backend
 from kvtier.storage.file_backend import FileBackend, FileBackendConfig
-from tests.runtime.l3_helpers import (
+from tests.runtime.l3.helpers import (
     PREFETCH_BOUND_S,
     PROMPT_TOKENS,
     conversations,
@@ -23,8 +23,7 @@ from tests.runtime.l3_helpers import (
     produce,
     second_turn,
 )
-from tests.runtime.test_cache import P, run_turn
-from tests.storage.conftest import fresh_master, mooncake_master  # noqa: F401
+from tests.runtime.synthetic import P, run_turn
 
 PAGES = PROMPT_TOKENS // P
 
@@ -91,7 +90,7 @@ def test_corrupted_file_is_a_checksum_miss(stored, tmp_path):
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
     cache = make_l3_cache("full+swa+mamba", FaultyBackend(tmp_path))
-    pf, req = prefetch_and_run(cache, second_turn(conv))
+    pf, _req = prefetch_and_run(cache, second_turn(conv))
     m = cache.metrics()
     assert pf.outcome is PrefetchOutcome.CHECKSUM_MISS, pf
     assert m["tier.checksum_miss_pages"] == 1 and m["tier.prefetch.checksum_miss"] == 1

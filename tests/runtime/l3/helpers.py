@@ -1,15 +1,20 @@
-"""Shared pieces of the L3 tests: caches with storage, producer runs, prefetch-then-match."""
+"""Shared pieces of the L3 tests: caches with storage, producer runs, prefetch-then-match.
+
+Plain functions (not fixtures): spawned producers and TP ranks call them too.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig, StorageConfig
 from kvtier.storage import StorageBackend
-from tests.runtime.test_cache import MODELS, P, SPEC, run_turn
+from tests.runtime import synthetic_mla
+from tests.runtime.synthetic import MODELS, SPEC, P, run_turn
 
 PROMPT_TOKENS = 20
 PREFETCH_BOUND_S = 10.0
@@ -26,16 +31,37 @@ def make_l3_cache(
     **storage,
 ) -> TieredKVCache:
     kinds = MODELS[model]
-    st = dict(prefetch_min_tokens=4, prefetch_policy="wait_complete")
+    st = {"prefetch_min_tokens": 4, "prefetch_policy": "wait_complete"}
     st.update(storage)
     cfg = CacheConfig(
-        layer_kinds=kinds, kv_heads=1, head_dim=4, page_size=page_size, device_tokens=96,
-        dtype=dtype, swa_window=8 if "swa" in kinds else None,
-        mamba=SPEC if "mamba" in kinds else None, mamba_slots=8 if "mamba" in kinds else None,
-        host_ratio=4.0, write_policy="write_through",
-        model_id=model_id or f"synthetic-{model}", storage=StorageConfig(**st),
+        layer_kinds=kinds,
+        kv_heads=1,
+        head_dim=4,
+        page_size=page_size,
+        device_tokens=96,
+        dtype=dtype,
+        swa_window=8 if "swa" in kinds else None,
+        mamba=SPEC if "mamba" in kinds else None,
+        mamba_slots=8 if "mamba" in kinds else None,
+        host_ratio=4.0,
+        write_policy="write_through",
+        model_id=model_id or f"synthetic-{model}",
+        storage=StorageConfig(**st),
     )
     return TieredKVCache(cfg, tp_group=tp_group, storage_backend=backend)
+
+
+def make_mla_l3_cache(
+    backend: StorageBackend, layout: str = "page_first", batch_pages: int = 128
+) -> TieredKVCache:
+    """An MLA + indexer cache of the synthetic MLA model over ``backend``."""
+    st = StorageConfig(
+        prefetch_min_tokens=4, prefetch_policy="wait_complete", batch_pages=batch_pages
+    )
+    cfg = synthetic_mla.mla_config(
+        layout=layout, device_tokens=96, host_ratio=4.0, storage=st, model_id="synthetic-mla"
+    )
+    return TieredKVCache(cfg, storage_backend=backend)
 
 
 def conversations(seed: int, n: int = 3) -> list[list[int]]:
@@ -56,10 +82,11 @@ def produce(cache: TieredKVCache, convs: list[list[int]]) -> None:
     cache.check_integrity()
 
 
-def prefetch_and_run(cache: TieredKVCache, prompt: list[int]):
+def prefetch_and_run(cache: TieredKVCache, prompt: list[int], run: Callable = run_turn):
     """Prefetch ``prompt``, stepping until done (bounded), then run it; returns (prefetch, req).
 
-    ``run_turn`` checks that every reused position holds what a cold run writes.
+    ``run`` is the synthetic model's ``run_turn`` (``synthetic_mla.run_turn`` for MLA caches):
+    it checks that every reused position holds what a cold run writes.
     """
     pf = cache.prefetch(prompt)
     start = time.monotonic()
@@ -68,6 +95,6 @@ def prefetch_and_run(cache: TieredKVCache, prompt: list[int]):
         cache.l3.wait_some(0.05)
         cache.poll()
         cache.check_integrity()
-    req = run_turn(cache, prompt)
+    req = run(cache, prompt)
     cache.check_integrity()
     return pf, req

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.storage import PrefetchOutcome, create_backend
-from tests.runtime.l3_helpers import (
+from tests.runtime.l3.helpers import (
     PROMPT_TOKENS,
     conversations,
     make_l3_cache,

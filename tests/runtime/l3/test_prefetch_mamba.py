@@ -20,8 +20,8 @@ import torch
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig, StorageConfig
 from kvtier.storage import PoolTransfer, PrefetchOutcome, create_backend, page_hashes
-from tests.runtime.l3_helpers import PREFETCH_BOUND_S, make_l3_cache
-from tests.runtime.test_cache import MODELS, SPEC, P, run_turn
+from tests.runtime.l3.helpers import PREFETCH_BOUND_S, make_l3_cache
+from tests.runtime.synthetic import MODELS, SPEC, P, run_turn
 
 DEVICE_TOKENS = 32
 HOST_TOKENS = 40

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tree_harness import CONFIG_IDS, CONFIGS, Harness
 
 from kvtier.runtime import CacheRequest, EvictResult
+from tests.runtime.tree.harness import CONFIG_IDS, CONFIGS, Harness
 
 
 @pytest.fixture(params=CONFIGS, ids=CONFIG_IDS)

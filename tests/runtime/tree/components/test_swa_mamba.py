@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tree_harness import CONFIGS, Harness
 
 from kvtier.runtime import CacheRequest, TreeIntegrityError
+from tests.runtime.tree.harness import CONFIGS, Harness
 
 SWA = [(p, w, m) for _, p, w, m in CONFIGS if w is not None]
 SWA_IDS = [f"p{p}-w{w}{'-mamba' if m else ''}" for p, w, m in SWA]

@@ -17,9 +17,8 @@ import torch.multiprocessing as mp
 
 from kvtier.runtime.l3.pools import namespace_for
 from kvtier.storage import page_hashes
-from tests.runtime.l3_helpers import conversations, make_l3_cache, produce, second_turn
-from tests.runtime.test_cache import P, run_turn
-from tests.runtime.test_tp import fingerprint
+from tests.runtime.l3.helpers import conversations, make_l3_cache, produce, second_turn
+from tests.runtime.synthetic import P, fingerprint, run_turn
 
 MISSING_PAGE = 3
 

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import StorageConfig
 from kvtier.storage import PrefetchOutcome
-from tests.runtime.test_mla_indexer import LAYERS, P, check_cached, forward, mla_config
-from tests.runtime.test_tp import fingerprint
+from tests.runtime.synthetic import fingerprint
+from tests.runtime.synthetic_mla import LAYERS, P, check_cached, forward, mla_config
 
 SEED = 41
 PROMPT_TOKENS = 20

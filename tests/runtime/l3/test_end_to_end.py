@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvtier.storage import PrefetchOutcome, create_backend
-from tests.runtime.l3_helpers import (
+from tests.runtime.l3.helpers import (
     PROMPT_TOKENS,
     conversations,
     make_l3_cache,
@@ -23,8 +23,7 @@ from tests.runtime.l3_helpers import (
     produce,
     second_turn,
 )
-from tests.runtime.test_cache import MODELS, P
-from tests.storage.conftest import mooncake_master, segment_holder  # noqa: F401
+from tests.runtime.synthetic import MODELS, P
 
 SEED = 11
 
@@ -56,14 +55,6 @@ def _run_producer(kind: str, where: str, models: list[str]) -> None:
     assert proc.exitcode == 0, f"producer process exited with {proc.exitcode}"
 
 
-@pytest.fixture(params=["file", "mooncake"])
-def l3_location(request, tmp_path) -> tuple[str, str]:
-    if request.param == "file":
-        return "file", str(tmp_path / "l3")
-    address = request.getfixturevalue("segment_holder")
-    return "mooncake", address
-
-
 @pytest.mark.timeout(180)
 def test_producer_consumer_identical_bytes(l3_location):
     kind, where = l3_location
@@ -91,8 +82,8 @@ def test_producer_consumer_identical_bytes(l3_location):
 
 @pytest.mark.parametrize(
     "change",
-    [dict(model_id="another-checkpoint"), dict(namespace_key="tenant-b"),
-     dict(dtype=torch.float64), dict(page_size=2 * P)],
+    [{"model_id": "another-checkpoint"}, {"namespace_key": "tenant-b"},
+     {"dtype": torch.float64}, {"page_size": 2 * P}],
     ids=["model_id", "salt", "dtype", "page_size"],
 )
 def test_other_namespace_sees_nothing(tmp_path, change):

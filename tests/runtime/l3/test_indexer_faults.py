@@ -19,15 +19,15 @@ import pytest
 from kvtier.runtime.l3.pools import namespace_for
 from kvtier.storage import KeyScope, PrefetchOutcome, create_backend, page_hashes
 from kvtier.storage.file_backend import FileBackend, FileBackendConfig
-from tests.runtime.test_l3_mla import (
+from tests.runtime.l3.helpers import (
     PREFETCH_BOUND_S,
     PROMPT_TOKENS,
     conversations,
-    make_cache,
+    make_mla_l3_cache,
     prefetch_and_run,
     second_turn,
 )
-from tests.runtime.test_mla_indexer import P, run_turn
+from tests.runtime.synthetic_mla import P, run_turn
 
 BATCH = 2  # pages per backend call: the prefix of 5 pages takes 3 KV + indexer batches
 PAGES = PROMPT_TOKENS // P
@@ -52,7 +52,8 @@ class VanishingBackend(FileBackend):
 def produce(root: Path) -> tuple[list[int], list[str]]:
     """Turn 1 of one conversation into a file L3; returns it and its page hashes."""
     conv = conversations(29, n=1)[0]
-    cache = make_cache(create_backend("file", root=root, scope=REPLICATED), batch_pages=BATCH)
+    backend = create_backend("file", root=root, scope=REPLICATED)
+    cache = make_mla_l3_cache(backend, batch_pages=BATCH)
     run_turn(cache, conv)
     cache.drain()
     cache.check_integrity()
@@ -76,11 +77,11 @@ def test_partial_indexer_batch_counts_only_whole_pages(tmp_path, fault, victim):
         backend = FileBackend(FileBackendConfig(root=tmp_path), scope=REPLICATED)
     else:
         backend = VanishingBackend(tmp_path, key)
-    cache = make_cache(backend, batch_pages=BATCH)
+    cache = make_mla_l3_cache(backend, batch_pages=BATCH)
     kv_page, idx_page = (cache.l3.pools[n].page_bytes for n in ("kv", "indexer"))
 
     start = time.monotonic()
-    pf, req = prefetch_and_run(cache, second_turn(conv))
+    pf, req = prefetch_and_run(cache, second_turn(conv), run_turn)
     assert time.monotonic() - start < PREFETCH_BOUND_S
     if fault == "vanished":
         assert backend.vanished, "the victim was never read"
@@ -112,9 +113,9 @@ def test_partial_indexer_batch_counts_only_whole_pages(tmp_path, fault, victim):
 
     # The bad object was dropped, never served; the recompute's backup wrote it anew, so a fresh
     # consumer gets the whole prompt (and the generated page) back.
-    fresh = make_cache(FileBackend(FileBackendConfig(root=tmp_path), scope=REPLICATED),
-                       batch_pages=BATCH)
-    pf, req = prefetch_and_run(fresh, second_turn(conv))
+    fresh = make_mla_l3_cache(FileBackend(FileBackendConfig(root=tmp_path), scope=REPLICATED),
+                              batch_pages=BATCH)
+    pf, req = prefetch_and_run(fresh, second_turn(conv), run_turn)
     assert pf.outcome is PrefetchOutcome.COMPLETE and pf.loaded_tokens == PAGES * P + P, pf
     assert req.host_hit == PAGES * P + P, req
     fresh.drain()

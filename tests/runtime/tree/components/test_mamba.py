@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tree_harness import CONFIGS, Harness
 
 from kvtier.runtime import CacheRequest
 from kvtier.runtime.pools.mamba import MambaDevicePool, MambaStateSpec
+from tests.runtime.tree.harness import CONFIGS, Harness
 
 MAMBA = [(p, w) for _, p, w, m in CONFIGS if m]
 MAMBA_IDS = [f"p{p}-w{w}" for p, w in MAMBA]

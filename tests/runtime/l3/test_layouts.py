@@ -16,14 +16,14 @@ import torch
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig, StorageConfig
 from kvtier.storage import PrefetchOutcome, create_backend
-from tests.runtime.l3_helpers import (
+from tests.runtime.l3.helpers import (
     PROMPT_TOKENS,
     conversations,
     prefetch_and_run,
     produce,
     second_turn,
 )
-from tests.runtime.test_cache import MODELS, SPEC, P
+from tests.runtime.synthetic import MODELS, SPEC, P
 
 SEED = 31
 LAYOUTS = ["layer_first", "page_first_direct"]

@@ -16,9 +16,8 @@ import time
 import pytest
 
 from kvtier.storage import create_backend
-from tests.runtime.l3_helpers import conversations, make_l3_cache
-from tests.runtime.test_cache import run_turn
-from tests.storage.conftest import fresh_master, mooncake_master  # noqa: F401
+from tests.runtime.l3.helpers import conversations, make_l3_cache
+from tests.runtime.synthetic import run_turn
 
 BATCH = 2
 KILL_AT_PUT = 2  # the first put goes to the live master

@@ -14,7 +14,6 @@ from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
 from kvtier.runtime.pools.host import HostPool
 from kvtier.runtime.pools.indexer import IndexerDevicePool, kv_slots_to_pages
 from kvtier.runtime.pools.mamba import MambaDevicePool, MambaHostPool, MambaStateSpec
-from tests.kernels.helpers import as_bytes
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
@@ -79,7 +78,7 @@ def test_kv_flat_round_trips(kind, layout, P, device):
     host = HostPool(pool, layout, size=5 * P)
     poison(host.tensor)
     dev_pages, host_pages = [4, 1, 3], [2, 0, 4]
-    slots = lambda pages: torch.cat([torch.arange(p * P, p * P + P) for p in pages])  # noqa: E731
+    slots = lambda pages: torch.cat([torch.arange(p * P, p * P + P) for p in pages])
     host.backup(dev_idx(slots(dev_pages), device), dev_idx(slots(host_pages), device))
     token_major = layout == "page_first"
     want = [ref_kv_page(pool, p, token_major) for p in dev_pages]

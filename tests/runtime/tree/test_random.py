@@ -15,9 +15,9 @@ import random
 
 import pytest
 import torch
-from tree_harness import Harness
 
 from kvtier.runtime import CacheRequest, MatchResult
+from tests.runtime.tree.harness import Harness
 
 CASES = [
     ("full-p1", 1, None, False),

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tree_harness import Harness
 
 from kvtier.runtime import TreeConfig, build_tree
+from tests.runtime.tree.harness import Harness
 
 HOST = [(4, None, False), (4, 8, False), (1, None, True), (4, 8, True)]
 HOST_IDS = ["full", "swa", "mamba", "swa+mamba"]

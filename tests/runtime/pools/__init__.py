@@ -1,0 +1,1 @@
+"""Tests of kvtier.runtime.pools: device, host, Mamba and indexer pools, and the allocators."""

@@ -1,0 +1,1 @@
+"""Tests of kvtier.runtime.tree: the unified radix tree, through the tree API alone."""

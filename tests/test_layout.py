@@ -1,0 +1,74 @@
+"""The test tree's layout: it mirrors ``kvtier/runtime``, and no test module imports another.
+
+Shared set-up lives in ``conftest.py`` fixtures or in helper modules whose names do not start
+with ``test_``: a test module imported by another runs its module-level set-up twice (once per
+name it is imported under) and hides which file owns a helper.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+RUNTIME = REPO / "kvtier" / "runtime"
+
+
+def imported_modules(source: str, path: Path) -> list[str]:
+    """Every module the source of ``path`` imports, as dotted names, including imports inside
+    functions; ``from a import b`` gives ``a`` and ``a.b`` (``b`` may be a module)."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Import):
+            out += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolved against the file's package
+                pkg = list(path.relative_to(REPO).parent.parts)
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            out += [base] + [f"{base}.{alias.name}" for alias in node.names]
+    return out
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    names = imported_modules(path.read_text(), path)
+    return [m for m in names if m.split(".")[-1].startswith("test_")]
+
+
+def test_no_test_module_imports_another() -> None:
+    bad = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in sorted(TESTS.rglob("test_*.py"))
+        for name in imported_test_modules(path)
+    ]
+    assert not bad, "move shared set-up into conftest.py or a helper module:\n" + "\n".join(bad)
+
+
+def test_the_import_check_flags_every_form(tmp_path: Path) -> None:
+    """The check above passes trivially if it cannot see an import: each form must be flagged."""
+    where = TESTS / "runtime" / "l3"
+    forms = [
+        "from tests.runtime.test_cache import run_turn\n",
+        "import tests.runtime.test_tp as tp\n",
+        "from tests.runtime import test_cache\n",
+        "def f():\n    from ..test_cache import P\n",
+    ]
+    for source in forms:
+        names = imported_modules(source, where / "test_probe.py")
+        assert any(n.startswith("tests.runtime.test_") for n in names), (source, names)
+    clean = imported_modules("from tests.runtime.synthetic import P\n", where / "test_probe.py")
+    assert not [n for n in clean if n.split(".")[-1].startswith("test_")], clean
+
+
+def test_tests_mirror_the_runtime_packages() -> None:
+    """Each folder of ``kvtier/runtime`` has a test package of the same path with tests in it."""
+    missing = []
+    for pkg in sorted(p.parent for p in RUNTIME.rglob("__init__.py")):
+        mirror = TESTS / "runtime" / pkg.relative_to(RUNTIME)
+        if not (mirror / "__init__.py").is_file():
+            missing.append(f"{mirror.relative_to(REPO)}/__init__.py (for {pkg.relative_to(REPO)})")
+        elif not any(mirror.glob("test_*.py")):
+            missing.append(f"{mirror.relative_to(REPO)}/test_*.py (for {pkg.relative_to(REPO)})")
+    assert not missing, "tests/runtime must mirror kvtier/runtime; missing:\n" + "\n".join(missing)
