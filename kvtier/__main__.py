@@ -48,6 +48,7 @@ def roundtrip(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.kernels import HostLayout
+    from kvtier.runtime.pools.allocator import PageAllocator
     from kvtier.runtime.pools.device import MHADevicePool
     from kvtier.runtime.pools.host import HostPool
 
@@ -71,9 +72,11 @@ def roundtrip(args: argparse.Namespace) -> int:
     ok = True
     for layout in HostLayout:
         host = HostPool(pool, layout, ratio=1.0)
-        src = pool.allocator.alloc(args.tokens).to(device)
-        dst = pool.allocator.alloc(args.tokens).to(device)
-        hslots = host.allocator.alloc(args.tokens).to(device)
+        dev_alloc = PageAllocator(pool.size, pool.page_size, "kv")
+        host_alloc = PageAllocator(host.size, host.page_size, "host kv")
+        src = dev_alloc.alloc(args.tokens).to(device)
+        dst = dev_alloc.alloc(args.tokens).to(device)
+        hslots = host_alloc.alloc(args.tokens).to(device)
         nbytes = args.tokens * pool.bytes_per_token
         path = host.backup(src, hslots)
         d2h = _timed(partial(host.backup, src, hslots), device, args.repeats)
@@ -88,8 +91,8 @@ def roundtrip(args: argparse.Namespace) -> int:
             f"H->D layer by layer {nbytes / h2d / 1e9:7.2f} GB/s | path {path} | "
             f"identical: {'yes' if same else 'NO'}"
         )
-        pool.allocator.free(src.cpu())
-        pool.allocator.free(dst.cpu())
+        dev_alloc.free(src.cpu())
+        dev_alloc.free(dst.cpu())
     print(
         "all layouts returned identical bytes"
         if ok

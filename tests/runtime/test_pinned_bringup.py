@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.runtime.pools import pinned
+from kvtier.runtime.pools.allocator import PageAllocator
 from kvtier.runtime.pools.device import MHADevicePool
 from kvtier.runtime.pools.host import HostPool
 from kvtier.runtime.pools.pinned import alloc_pinned, last_stats
@@ -101,8 +102,8 @@ def test_host_pool_through_alloc_pinned_round_trips(layout, device):
     assert stats is not before and stats.nbytes == host.nbytes, "the pool went through it"
     assert host.tensor.is_pinned() == torch.cuda.is_available()
     assert host.tensor.view(torch.int16).count_nonzero().item() == 0, "pools start as zeros"
-    d = pool.allocator.alloc(8).to(device)
-    h = host.allocator.alloc(8).to(device)
+    d = PageAllocator(pool.size, pool.page_size).alloc(8).to(device)
+    h = PageAllocator(host.size, host.page_size).alloc(8).to(device)
     want = [pool.k(l)[d].clone() for l in range(L)] + [pool.v(l)[d].clone() for l in range(L)]
     host.backup(d, h)
     for l in range(L):
@@ -143,8 +144,8 @@ def test_gpu_pinned_round_trip_and_unregister(monkeypatch):
     for b in pool.buffers.layers:
         for x in b:
             x.copy_(torch.randn_like(x))
-    d = pool.allocator.alloc(8).cuda()
-    h = host.allocator.alloc(8).cuda()
+    d = PageAllocator(pool.size, pool.page_size).alloc(8).cuda()
+    h = PageAllocator(host.size, host.page_size).alloc(8).cuda()
     want = [pool.k(l)[d].clone() for l in range(2)]
     assert host.backup(d, h, check=True) == "triton"
     for l in range(2):

@@ -18,21 +18,29 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.kernels.layout import DeviceBuffers
-from kvtier.runtime.pools.allocator import PageAllocator
 
 __all__ = ["DevicePool", "MHADevicePool", "MLADevicePool"]
 
 
 class DevicePool:
-    """Token-slot pool: ``B`` buffers x ``L`` layers of ``[size, *item_shape]`` plus an allocator."""
+    """Token-slot pool: ``B`` buffers x ``L`` layers of ``[size, *item_shape]``.
+
+    Pools hold memory only: which slots are in use is kept by whoever allocates them (inside a
+    ``TieredKVCache``, the tree's allocators; standalone, a ``PageAllocator(pool.size,
+    pool.page_size)`` of your own)."""
 
     kind = "kv"
 
     def __init__(self, layers: Sequence[Sequence[torch.Tensor]], page_size: int, name: str) -> None:
         self.buffers = DeviceBuffers.from_layers(layers, arg="layers")
         self.size = self.buffers.num_slots
+        if not 1 <= page_size <= 256:
+            raise ValueError(f"page_size must be in [1, 256], got {page_size}")
+        if self.size <= 0 or self.size % page_size:
+            raise ValueError(
+                f"{name}: size must be a positive multiple of page_size={page_size}, got {self.size}"
+            )
         self.page_size = page_size
-        self.allocator = PageAllocator(self.size, page_size, name=name)
 
     @property
     def num_layers(self) -> int:

@@ -2,8 +2,8 @@
 
 A host pool mirrors a device pool's buffers, layers and item shape in one contiguous tensor
 (pinned when CUDA is present, plain memory otherwise) laid out as ``layer_first``, ``page_first``
-or ``page_first_direct`` (see :mod:`kvtier.kernels.layout`). Slots are handed out in whole pages by
-its own :class:`~kvtier.runtime.pools.allocator.PageAllocator`.
+or ``page_first_direct`` (see :mod:`kvtier.kernels.layout`). It holds memory only: its slots are
+handed out by the caller's allocator (the tree's, inside a ``TieredKVCache``).
 
 Its size is given as token slots, as bytes, or as a ratio of the device pool; it is rounded down
 to whole pages.
@@ -19,7 +19,6 @@ from kvtier.kernels.dispatch import Impl
 from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer, HostLayout, host_shape
 from kvtier.kernels.pack import pack_pages, unpack_pages
-from kvtier.runtime.pools.allocator import PageAllocator
 from kvtier.runtime.pools.device import DevicePool
 from kvtier.runtime.pools.pinned import host_empty
 
@@ -97,7 +96,6 @@ class HostPool:
             self.page_size,
             dev.item_shape,
         )
-        self.allocator = PageAllocator(self.size, self.page_size, name=f"host {device_pool.kind}")
         self.knobs = knobs
 
     @property

@@ -58,7 +58,6 @@ class IndexerDevicePool(DevicePool):
             (num_layers, num_pages, page_bytes), dtype=torch.uint8, device=device
         )
         super().__init__([list(self.buffer.unbind(0))], page_size=1, name="indexer")
-        self.allocator = None  # addressed by the KV pool's pages
 
     @property
     def page_bytes(self) -> int:

@@ -23,7 +23,6 @@ import torch
 from kvtier.kernels.dispatch import Impl
 from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer
-from kvtier.runtime.pools.allocator import SlotAllocator
 from kvtier.runtime.pools.host import host_size_for
 from kvtier.runtime.pools.pinned import host_empty
 
@@ -133,7 +132,6 @@ class MambaDevicePool:
             for i, t in enumerate(self.tensors)
             if t[0, 0].numel()
         ]
-        self.allocator = SlotAllocator(size, name="mamba")
 
     @property
     def temporal(self) -> torch.Tensor:
@@ -239,7 +237,6 @@ class MambaHostPool:
         pin = torch.cuda.is_available() if pin is None else pin
         self.tensor = host_empty((self.size, device_pool.slot_bytes), torch.uint8, pin=pin)
         self.buffers = slot_buffers(self.tensor, device_pool, arg="host")
-        self.allocator = SlotAllocator(self.size, name="host mamba")
         self.knobs = knobs
 
     @property

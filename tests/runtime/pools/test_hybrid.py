@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.runtime.pools.allocator import SWAPageAllocator
+from kvtier.runtime.pools.allocator import PageAllocator, SWAPageAllocator
 from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
 from kvtier.runtime.pools.host import HostPool
 from kvtier.runtime.pools.indexer import IndexerDevicePool, kv_slots_to_pages
@@ -159,7 +159,7 @@ def test_swa_pool_translation_and_transfer(device):
     assert bool((swa_slots >= 0).all()) and alloc.swa_available_size() == 16 - 2 * W
     host = HostPool(swa, "page_first_direct", size=16)
     poison(host.tensor)
-    hs = host.allocator.alloc(2 * W)
+    hs = PageAllocator(host.size, host.page_size).alloc(2 * W)
     host.backup(swa_slots.to(device), hs.to(device))
     objs = [torch.cat(v) for v in host.page_views(hs.view(-1, P)[:, 0] // P)]
     for o, p in zip(objs, (swa_slots.view(-1, P)[:, 0] // P).tolist(), strict=True):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvtier.kernels.reference import host_byte_view
+from kvtier.runtime.pools.allocator import PageAllocator
 from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
 from kvtier.runtime.pools.host import HostPool
 
@@ -68,8 +69,8 @@ def test_pool_round_trip(form, device):
         for t in b:
             t.copy_(torch.randn_like(t, dtype=torch.float32).to(t.dtype))
     host = HostPool(pool, "page_first", ratio=1.0)
-    d = pool.allocator.alloc(32).to(device)
-    h = host.allocator.alloc(32).to(device)
+    d = PageAllocator(pool.size, pool.page_size).alloc(32).to(device)
+    h = PageAllocator(host.size, host.page_size).alloc(32).to(device)
     want = [pool.k(l)[d].clone() for l in range(L)] + [pool.v(l)[d].clone() for l in range(L)]
     host.backup(d, h)
     for l in range(L):
