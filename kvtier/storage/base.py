@@ -424,6 +424,7 @@ class StorageBackend(ABC):
 
 _REGISTRY: dict[str, str | type[StorageBackend]] = {
     "file": "kvtier.storage.file_backend:FileBackend",
+    "file_per_page": "kvtier.storage.file_backend:FilePerPageBackend",
     "mooncake": "kvtier.storage.mooncake_backend:MooncakeBackend",
 }
 

@@ -1,4 +1,10 @@
-"""The embedded L3 backend: one file per page object in a local (or shared) directory.
+"""The per-page file store: one file per page object in a local (or shared) directory.
+
+``create_backend("file")`` builds the segment store (``kvtier.storage.segments``), which this
+module re-exports as ``FileBackend`` / ``FileBackendConfig``; this older store is
+``FilePerPageBackend``, kept for comparison (``profiling/bench_storage.py``) and for roots written
+by it. Creating a file per page costs more than the page's bytes on ext4 for pages under a few
+hundred KiB, which is why the segment store replaced it.
 
 File ``<root>/<object key>.kvp`` holds the 32-byte header then the page (``page_format``). Writes
 go to ``<object key>.kvp.<token>-<pid>-<n>-<j>.tmp`` in the same directory and are renamed into
@@ -63,8 +69,10 @@ from kvtier.storage.page_format import (
     payload_length,
     verify,
 )
+from kvtier.storage.segments import SegmentBackend, SegmentBackendConfig
+from kvtier.storage.segments.root import open_root
 
-__all__ = ["FileBackend", "FileBackendConfig"]
+__all__ = ["FileBackend", "FileBackendConfig", "FilePerPageBackend", "FilePerPageConfig"]
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +116,7 @@ def _alive(pid: int) -> bool:
 
 
 @dataclass(frozen=True)
-class FileBackendConfig:
+class FilePerPageConfig:
     """Attributes:
     root: directory of page files (created with ``dir_mode`` if missing; its parents with the
         umask's defaults).
@@ -172,15 +180,15 @@ def _after(iovecs: list[memoryview], done: int) -> list[memoryview]:
     return rest
 
 
-class FileBackend(StorageBackend):
+class FilePerPageBackend(StorageBackend):
     """Page objects as files in one directory; see the module docstring for the format and rules."""
 
-    name = "file"
-    Config = FileBackendConfig
+    name = "file_per_page"
+    Config = FilePerPageConfig
 
     def __init__(
         self,
-        config: FileBackendConfig,
+        config: FilePerPageConfig,
         *,
         scope: KeyScope | None = None,
         metrics: StorageMetrics | None = None,
@@ -205,40 +213,7 @@ class FileBackend(StorageBackend):
 
     def _open_root(self) -> int:
         """Create the root (mode ``dir_mode``) or check the existing one; its descriptor."""
-        cfg = self.config
-        self.root.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.mkdir(self.root, cfg.dir_mode)  # the umask may narrow it until the fchmod below
-            created = True
-        except FileExistsError:
-            created = False
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            if created:
-                os.fchmod(fd, cfg.dir_mode)
-                return fd
-            # fstat of the descriptor, not a stat of the path: what is checked is what is used.
-            st = os.fstat(fd)
-            loose = stat.S_IMODE(st.st_mode) & 0o022 & ~cfg.dir_mode
-            problems = []
-            if loose:
-                problems.append(
-                    f"mode {stat.S_IMODE(st.st_mode):#o} lets others write ({loose:#o})"
-                )
-            if st.st_uid != os.geteuid():
-                problems.append(f"owned by uid {st.st_uid}, not {os.geteuid()}")
-            if problems:
-                msg = (
-                    f"root {str(self.root)!r}: {' and '.join(problems)}, so they could plant or "
-                    f"alter pages (checksums detect corruption, not forgery)"
-                )
-                if not cfg.allow_unsafe_root:
-                    raise ValueError(f"{msg}; fix the directory or set allow_unsafe_root=True")
-                log.warning("%s; accepted because allow_unsafe_root=True", msg)
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
+        return open_root(self.root, self.config.dir_mode, self.config.allow_unsafe_root)
 
     # -- index ---------------------------------------------------------------------------------
 
@@ -553,3 +528,8 @@ class FileBackend(StorageBackend):
         """Bytes of the indexed page files, headers included."""
         with self._mutex:
             return self._stored
+
+
+FileBackend = SegmentBackend
+"""The ``"file"`` backend: the segment store."""
+FileBackendConfig = SegmentBackendConfig

@@ -9,9 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.storage import KeyScope, Namespace, PoolTransfer, create_backend, page_hashes
-from kvtier.storage.file_backend import FileBackend
+from kvtier.storage import KeyScope, Namespace, PoolTransfer, StorageMetrics, page_hashes
+from kvtier.storage.file_backend import FilePerPageBackend as FileBackend
 from kvtier.storage.page_format import HEADER_SIZE
+
+
+def per_page(
+    *, scope: KeyScope | None = None, metrics: StorageMetrics | None = None, **config: object
+) -> FileBackend:
+    """The per-page file store (``create_backend("file")`` is the segment store, tested in
+    ``test_segment_store.py``): these tests pin its per-page-file format and defences."""
+    return FileBackend(FileBackend.Config(**config), scope=scope, metrics=metrics)
+
 
 NS = Namespace("test-model", "bfloat16", 4, "page_first")
 PAGE = 1024
@@ -36,7 +45,7 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_one_file_per_page_object(root: Path) -> None:
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     h = page_hashes(range(8), NS)
     b.set([PoolTransfer("kv", h, pages(2, 0))])
     assert files(root) == sorted(f"{k}.kvp" for k in KeyScope().object_keys(h, "kv"))
@@ -45,7 +54,7 @@ def test_one_file_per_page_object(root: Path) -> None:
 
 @pytest.mark.parametrize("damage", ["flip-payload", "flip-header", "truncate", "rename"])
 def test_checksum_miss_is_counted_and_not_served(root: Path, damage: str) -> None:
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     h = page_hashes(range(8), NS)
     src = pages(2, 1)
     b.set([PoolTransfer("kv", h, src)])
@@ -59,11 +68,11 @@ def test_checksum_miss_is_counted_and_not_served(root: Path, damage: str) -> Non
         data = data[:-1]
     if damage == "rename":  # page 0's valid object now sits under page 1's key
         os.replace(root / f"{h[0]}.kv.r0.kvp", victim)
-        b = create_backend("file", root=root)
+        b = per_page(root=root)
     else:
         victim.write_bytes(bytes(data))
         if damage == "truncate":
-            b = create_backend("file", root=root)  # the index learns the new size at start-up
+            b = per_page(root=root)  # the index learns the new size at start-up
     out = empty(2)
     res = b.get([PoolTransfer("kv", h, out)])
     assert res.ok["kv"][1] is False
@@ -78,7 +87,7 @@ def test_checksum_miss_is_counted_and_not_served(root: Path, damage: str) -> Non
 
 def test_write_is_atomic(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write that dies half-way leaves neither a final file nor a temp file behind."""
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     h = page_hashes(range(4), NS)
     real_writev = os.writev
 
@@ -95,7 +104,7 @@ def test_write_is_atomic(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_rename_is_the_commit_point(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Until the rename only a temp file exists; the final name appears complete."""
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     h = page_hashes(range(4), NS)
     seen: list[list[str]] = []
     real_replace = os.replace
@@ -111,7 +120,7 @@ def test_rename_is_the_commit_point(root: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 def test_index_rebuilt_at_startup(root: Path) -> None:
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     h = page_hashes(range(16), NS)
     src = pages(4, 4)
     b.set([PoolTransfer("kv", h, src)])
@@ -119,7 +128,7 @@ def test_index_rebuilt_at_startup(root: Path) -> None:
     stale.write_bytes(b"partial")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
     (root / "README").write_text("not a page")
-    again = create_backend("file", root=root, stale_tmp_s=3600)
+    again = per_page(root=root, stale_tmp_s=3600)
     assert again.exists([PoolTransfer("kv", h)]) == 4
     assert not any(f.endswith(".tmp") for f in files(root)), "stale temp files are deleted"
     assert "README" in files(root)
@@ -130,7 +139,7 @@ def test_index_rebuilt_at_startup(root: Path) -> None:
 
 
 def test_lru_capacity_eviction(root: Path) -> None:
-    b = create_backend("file", root=root, capacity_bytes=3 * (HEADER_SIZE + PAGE))
+    b = per_page(root=root, capacity_bytes=3 * (HEADER_SIZE + PAGE))
     h = page_hashes(range(20), NS)
     src = pages(5, 5)
     assert b.set([PoolTransfer("kv", h[:3], src[:3])]).all_ok
@@ -144,7 +153,7 @@ def test_lru_capacity_eviction(root: Path) -> None:
 
 
 def test_fsync_and_lru_order_survive_restart(root: Path) -> None:
-    b = create_backend("file", root=root, fsync=True)
+    b = per_page(root=root, fsync=True)
     h = page_hashes(range(12), NS)
     for i in range(3):
         b.set([PoolTransfer("kv", h[i : i + 1], pages(1, i))])
@@ -156,15 +165,15 @@ def test_fsync_and_lru_order_survive_restart(root: Path) -> None:
 
 def test_config_validates(root: Path) -> None:
     with pytest.raises(ValueError, match="capacity_bytes"):
-        create_backend("file", root=root, capacity_bytes=0)
+        per_page(root=root, capacity_bytes=0)
     with pytest.raises(TypeError):
-        create_backend("file", root=root, no_such_option=1)
+        per_page(root=root, no_such_option=1)
 
 
 def test_sees_files_other_processes_write_later(root: Path) -> None:
     """Rank 1 reads the replicated pages rank 0 writes after rank 1 started."""
-    rank1 = create_backend("file", root=root, scope=KeyScope(tp_rank=1, tp_size=2, replicated=True))
-    rank0 = create_backend("file", root=root, scope=KeyScope(tp_rank=0, tp_size=2, replicated=True))
+    rank1 = per_page(root=root, scope=KeyScope(tp_rank=1, tp_size=2, replicated=True))
+    rank0 = per_page(root=root, scope=KeyScope(tp_rank=0, tp_size=2, replicated=True))
     h = page_hashes(range(8), NS)
     assert rank1.exists([PoolTransfer("kv", h)]) == 0
     src = pages(2, 8)
@@ -180,7 +189,7 @@ def test_sees_files_other_processes_write_later(root: Path) -> None:
 def test_batches_split_over_threads_keep_page_order(root: Path, threads: int) -> None:
     """Per-page results stay in page order however the batch is split; a missing page in the
     middle, a corrupted one and a key repeated within one batch are each reported in place."""
-    b = create_backend("file", root=root, read_threads=threads, write_threads=threads)
+    b = per_page(root=root, read_threads=threads, write_threads=threads)
     h = page_hashes(range(4 * 9), NS)
     src = pages(9, 10)
     keys = h[:4] + [h[2]] + h[4:8]  # page 4 repeats page 2's key
@@ -202,4 +211,4 @@ def test_batches_split_over_threads_keep_page_order(root: Path, threads: int) ->
 def test_thread_counts_validate(root: Path) -> None:
     for name in ("read_threads", "write_threads"):
         with pytest.raises(ValueError, match=f"{name} must be >= 1"):
-            create_backend("file", root=root, **{name: 0})
+            per_page(root=root, **{name: 0})

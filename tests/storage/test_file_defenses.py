@@ -25,12 +25,21 @@ from kvtier.storage import (
     Namespace,
     PoolTransfer,
     StorageBackend,
-    create_backend,
+    StorageMetrics,
     page_hashes,
 )
 from kvtier.storage.base import MAX_KEY_LENGTH, Parts, validate_key
-from kvtier.storage.file_backend import FileBackend
+from kvtier.storage.file_backend import FilePerPageBackend as FileBackend
 from kvtier.storage.page_format import HEADER_SIZE
+
+
+def per_page(
+    *, scope: KeyScope | None = None, metrics: StorageMetrics | None = None, **config: object
+) -> FileBackend:
+    """The per-page file store (``create_backend("file")`` is the segment store, tested in
+    ``test_segment_store.py``): these tests pin its per-page-file format and defences."""
+    return FileBackend(FileBackend.Config(**config), scope=scope, metrics=metrics)
+
 
 NS = Namespace("test-model", "bfloat16", 4, "page_first")
 PAGE = 1024
@@ -111,7 +120,7 @@ def root(tmp_path: Path) -> Path:
 @pytest.fixture
 def stored(root: Path) -> Iterator[tuple[FileBackend, list[torch.Tensor]]]:
     """A backend that stored pages 0..2 (and so indexed them), and their bytes."""
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     src = pages(3, 0)
     assert b.set([PoolTransfer("kv", H[:3], src)]).all_ok
     yield b, src
@@ -135,7 +144,7 @@ def assert_good_pages_served(b: StorageBackend, src: list[torch.Tensor]) -> None
 
 @pytest.mark.parametrize("bad", list(BAD_HASHES.values()), ids=list(BAD_HASHES))
 def test_bad_key_fails_only_its_page(tmp_path: Path, root: Path, bad: object) -> None:
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     before = tree(tmp_path)
     keys = [GOOD[0], bad, GOOD[1]]
     src = pages(3, 1)
@@ -158,10 +167,10 @@ def test_bad_key_fails_only_its_page(tmp_path: Path, root: Path, bad: object) ->
 
 def test_hash_carrying_a_suffix_cannot_alias_another_pool(root: Path) -> None:
     """``<hash>.kv`` in a replicated pool ``r0`` would name ``<hash>.kv.r0``, rank 0's kv page."""
-    sharded = create_backend("file", root=root)
+    sharded = per_page(root=root)
     src = pages(1, 2)
     assert sharded.set([PoolTransfer("kv", H[:1], src)]).all_ok
-    replicated = create_backend("file", root=root, scope=KeyScope(replicated=True))
+    replicated = per_page(root=root, scope=KeyScope(replicated=True))
     out = empty(1)
     assert replicated.get([PoolTransfer("r0", [H[0] + ".kv"], out)]).ok["r0"] == [False]
     assert replicated.exists([PoolTransfer("r0", [H[0] + ".kv"])]) == 0
@@ -170,7 +179,7 @@ def test_hash_carrying_a_suffix_cannot_alias_another_pool(root: Path) -> None:
 
 def test_bad_key_on_a_rank_that_does_not_write(root: Path) -> None:
     """Rank 1 of a replicated cache writes nothing, but still reports a bad key as failed."""
-    b = create_backend("file", root=root, scope=KeyScope(tp_rank=1, tp_size=2, replicated=True))
+    b = per_page(root=root, scope=KeyScope(tp_rank=1, tp_size=2, replicated=True))
     res = b.set([PoolTransfer("kv", [GOOD[0], "../x", GOOD[1]], pages(3, 3))])
     assert res.ok["kv"] == [True, False, True]
     assert failed(b, "write") == 1
@@ -216,7 +225,7 @@ def test_validate_key_refuses_non_str(key: object) -> None:
 
 
 def test_misuse_of_a_whole_transfer_raises_and_changes_nothing(tmp_path: Path, root: Path) -> None:
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     before = tree(tmp_path)
     with pytest.raises(TypeError, match="keys must be a sequence of page hashes, got one str"):
         b.set([PoolTransfer("kv", H[0], pages(1, 4))])
@@ -296,7 +305,7 @@ def test_fifo_at_a_page_path_at_startup_is_a_prompt_miss(root: Path, stored) -> 
     fifo = page_file(root, H[1])
     fifo.unlink()
     os.mkfifo(fifo)
-    b = create_backend("file", root=root)  # the start-up scan must skip it
+    b = per_page(root=root)  # the start-up scan must skip it
     assert bounded(lambda: b.exists([PoolTransfer("kv", H[:3])]), fifo) == 1
     assert_good_pages_served(b, src)
     assert failed(b, "read") == 1
@@ -308,7 +317,7 @@ def test_fifo_at_a_page_path_at_startup_is_a_prompt_miss(root: Path, stored) -> 
 
 
 def test_directory_at_a_page_path(root: Path) -> None:
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     src = pages(3, 7)
     (page_file(root, H[1])).mkdir()
     (page_file(root, H[1]) / "inside").write_bytes(b"x")
@@ -320,7 +329,7 @@ def test_directory_at_a_page_path(root: Path) -> None:
     assert b.exists([PoolTransfer("kv", H[1:2])]) == 0, "still absent after the failed write"
     assert_good_pages_served(b, src)
     assert failed(b, "read") == 1
-    assert create_backend("file", root=root).exists([PoolTransfer("kv", H[:3])]) == 1
+    assert per_page(root=root).exists([PoolTransfer("kv", H[:3])]) == 1
 
 
 def test_directory_in_place_of_an_indexed_page(root: Path, stored) -> None:
@@ -336,7 +345,7 @@ def test_directory_in_place_of_an_indexed_page(root: Path, stored) -> None:
 def _outside_object(tmp_path: Path, src: torch.Tensor) -> Path:
     """A valid page object for ``H[1]``, written by a store outside the root."""
     elsewhere = tmp_path / "elsewhere"
-    assert create_backend("file", root=elsewhere).set([PoolTransfer("kv", H[1:2], [src])]).all_ok
+    assert per_page(root=elsewhere).set([PoolTransfer("kv", H[1:2], [src])]).all_ok
     return page_file(elsewhere, H[1])
 
 
@@ -351,7 +360,7 @@ def test_symlink_out_of_the_root_is_not_followed(
     link.unlink()
     link.symlink_to(target)
     if when == "at-startup":
-        b = create_backend("file", root=root)
+        b = per_page(root=root)
         assert b.exists([PoolTransfer("kv", H[:3])]) == 1
     assert_good_pages_served(b, src)
     assert failed(b, "read") == 1 and b.metrics.snapshot()["checksum_miss_pages"] == 0
@@ -367,7 +376,7 @@ def test_file_shorter_than_a_header(root: Path, stored, size: int) -> None:
     b, src = stored
     with open(page_file(root, H[1]), "r+b") as f:
         f.truncate(size)
-    fresh = create_backend("file", root=root)
+    fresh = per_page(root=root)
     assert fresh.exists([PoolTransfer("kv", H[:3])]) == 1, "not a page object: absent"
     assert_good_pages_served(fresh, src)
     assert failed(fresh, "read") == 1
@@ -395,7 +404,7 @@ def test_modes_ignore_the_umask(
 ) -> None:
     old = os.umask(umask)
     try:
-        b = create_backend("file", root=root, **config)
+        b = per_page(root=root, **config)
         assert b.set([PoolTransfer("kv", H[:2], pages(2, 9))]).all_ok
     finally:
         os.umask(old)
@@ -408,10 +417,10 @@ def test_world_writable_root_is_refused(root: Path, caplog: pytest.LogCaptureFix
     root.mkdir(parents=True)
     root.chmod(0o777)
     with pytest.raises(ValueError, match=r"root .*l3.*mode 0o777 lets others write \(0o22\)"):
-        create_backend("file", root=root)
+        per_page(root=root)
     assert list(root.iterdir()) == []
     with caplog.at_level(logging.WARNING, logger="kvtier.storage.file_backend"):
-        b = create_backend("file", root=root, allow_unsafe_root=True)
+        b = per_page(root=root, allow_unsafe_root=True)
     assert "allow_unsafe_root" in caplog.text
     assert b.set([PoolTransfer("kv", H[:1], pages(1, 10))]).all_ok
     assert mode(root) == 0o777, "an existing root's mode is not changed behind the owner's back"
@@ -424,7 +433,7 @@ def test_roots_others_cannot_write_are_accepted(
     root.mkdir(parents=True)
     root.chmod(existing)
     with caplog.at_level(logging.WARNING, logger="kvtier.storage.file_backend"):
-        b = create_backend("file", root=root, **config)
+        b = per_page(root=root, **config)
     assert caplog.text == ""
     assert b.set([PoolTransfer("kv", H[:1], pages(1, 11))]).all_ok
 
@@ -434,7 +443,7 @@ def test_root_owned_by_another_user_is_refused(root: Path) -> None:
     root.mkdir(parents=True)
     os.chown(root, 12345, -1)
     with pytest.raises(ValueError, match="owned by uid 12345"):
-        create_backend("file", root=root)
+        per_page(root=root)
 
 
 @pytest.mark.parametrize(
@@ -451,7 +460,7 @@ def test_security_options_validate(
     root: Path, option: str, value: object, error: type[Exception]
 ) -> None:
     with pytest.raises(error, match=option):
-        create_backend("file", root=root, **{option: value})
+        per_page(root=root, **{option: value})
     assert not root.exists()
 
 
@@ -467,7 +476,7 @@ def temp_tag(root: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, str]:
         seen.append(src)
         real_replace(src, dst, **dir_fds)
 
-    b = create_backend("file", root=root)
+    b = per_page(root=root)
     with monkeypatch.context() as m:
         m.setattr(os, "replace", spy)
         assert b.set([PoolTransfer("kv", H[7:8], pages(1, 12))]).all_ok
@@ -504,7 +513,7 @@ def test_startup_deletes_only_temp_files_nobody_will_finish(
         if mtime is not None:
             os.utime(root / fname, (mtime, mtime))
     (root / f"{name}.{token}-{dead_pid()}-2-0.tmp").mkdir()  # not a regular file: left alone
-    create_backend("file", root=root, stale_tmp_s=3600)
+    per_page(root=root, stale_tmp_s=3600)
     left = {k for k, (fname, _) in temps.items() if (root / fname).exists()}
     assert left == {"live", "other-host", "not-ours"}, left
     assert sum(1 for p in root.iterdir() if p.is_dir()) == 1

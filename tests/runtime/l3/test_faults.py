@@ -84,11 +84,12 @@ def test_short_read_commits_only_the_complete_prefix(stored, mode, pages):
 
 def test_corrupted_file_is_a_checksum_miss(stored, tmp_path):
     conv, backend = stored
-    files = sorted(tmp_path.glob("*.kv.r0.kvp"))
-    victim = files[0]
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    victim = backend.locate(sorted(k for k in backend.object_keys() if k.endswith(".kv.r0"))[0])
+    with open(victim.path, "r+b") as f:  # flip the record's last payload byte
+        f.seek(victim.offset + victim.size - 1)
+        last = f.read(1)[0]
+        f.seek(victim.offset + victim.size - 1)
+        f.write(bytes([last ^ 0xFF]))
     cache = make_l3_cache("full+swa+mamba", FaultyBackend(tmp_path))
     pf, _req = prefetch_and_run(cache, second_turn(conv))
     m = cache.metrics()
@@ -150,7 +151,7 @@ def test_failed_backups_are_counted_not_acked(tmp_path):
     produce(cache, conversations(9, n=2))
     m = cache.metrics()
     assert m["tier.backup_failures"] > 0 and m["l3.backup_pages"] == 0
-    assert not list(tmp_path.glob("*.kvp")), "nothing reached L3"
+    assert backend.object_keys() == [], "nothing reached L3"
     backend.mode = "ok"
     cache.tree.evict_host(full=10**6)  # pins from the failed jobs are gone
     cache.check_integrity()

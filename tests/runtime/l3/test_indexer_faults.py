@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from kvtier.runtime.l3.pools import namespace_for
-from kvtier.storage import KeyScope, PrefetchOutcome, create_backend, page_hashes
-from kvtier.storage.file_backend import FileBackend, FileBackendConfig
+from kvtier.storage import KeyScope, PrefetchOutcome, page_hashes
+
+# The per-page store: these faults delete or damage one page object's own file.
+from kvtier.storage.file_backend import FilePerPageBackend as FileBackend
+from kvtier.storage.file_backend import FilePerPageConfig as FileBackendConfig
 from tests.runtime.l3.helpers import (
     PREFETCH_BOUND_S,
     PROMPT_TOKENS,
@@ -52,7 +55,7 @@ class VanishingBackend(FileBackend):
 def produce(root: Path) -> tuple[list[int], list[str]]:
     """Turn 1 of one conversation into a file L3; returns it and its page hashes."""
     conv = conversations(29, n=1)[0]
-    backend = create_backend("file", root=root, scope=REPLICATED)
+    backend = FileBackend(FileBackendConfig(root=root), scope=REPLICATED)
     cache = make_mla_l3_cache(backend, batch_pages=BATCH)
     run_turn(cache, conv)
     cache.drain()

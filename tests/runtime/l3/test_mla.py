@@ -30,8 +30,8 @@ REPLICATED = KeyScope(replicated=True)
 
 
 def _backend(kind: str, where: str):
-    if kind == "file":
-        return create_backend("file", root=where, scope=REPLICATED)
+    if kind in ("file", "file_per_page"):  # file_per_page: one file per object, for tests that
+        return create_backend(kind, root=where, scope=REPLICATED)  # delete single objects
     return create_backend("mooncake", master_address=where, global_segment_size=0,
                           scope=REPLICATED)
 
@@ -85,7 +85,7 @@ def test_mla_indexer_producer_consumer(l3_location):
     layouts = ["page_first", "layer_first", "page_first_direct"] if kind == "file" else ["page_first"]
     run_producer(kind, where, layouts)
     if kind == "file":
-        pools = sorted({".".join(n.split(".")[1:-1]) for n in os.listdir(where)})
+        pools = sorted({k.split(".", 1)[1] for k in _backend(kind, where).object_keys()})
         assert pools == ["indexer", "kv"], f"MLA pages must have rank-free keys: {pools}"
     backend = _backend(kind, where)
     try:
@@ -97,11 +97,11 @@ def test_mla_indexer_producer_consumer(l3_location):
 
 def test_missing_indexer_pages_are_a_miss(tmp_path):
     """KV pages without their indexer pages are no hit: the indexer moves with KV or not at all."""
-    run_producer("file", str(tmp_path), ["page_first"])
+    run_producer("file_per_page", str(tmp_path), ["page_first"])
     for name in os.listdir(tmp_path):
         if name.split(".")[1] == "indexer":
             os.remove(tmp_path / name)
-    backend = _backend("file", str(tmp_path))
+    backend = _backend("file_per_page", str(tmp_path))
     cache = make_mla_l3_cache(backend)
     pf, req = prefetch_and_run(cache, second_turn(conversations(SEED)[0]), run_turn)
     assert pf.outcome is PrefetchOutcome.REVOKED and pf.reason == "below_threshold", pf

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvtier.runtime.l3.pools import namespace_for
-from kvtier.storage import page_hashes
+from kvtier.storage import KeyScope, page_hashes
+from kvtier.storage.file_backend import FilePerPageBackend, FilePerPageConfig
 from tests.runtime.l3.helpers import conversations, make_l3_cache, produce, second_turn
 from tests.runtime.synthetic import P, fingerprint, run_turn
 
@@ -28,7 +29,11 @@ def _rank(rank: int, init: str, root: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     group = dist.group.WORLD
     convs = conversations(31, n=2)
-    producer = make_l3_cache("full+swa", tp_group=group, backend_config={"root": root})
+    # The per-page store: one object's file is deleted below.
+    def store() -> FilePerPageBackend:
+        return FilePerPageBackend(FilePerPageConfig(root=root), scope=KeyScope(rank, 2))
+
+    producer = make_l3_cache("full+swa", store(), tp_group=group)
     produce(producer, convs)
     producer.close()
     dist.barrier()
@@ -37,7 +42,7 @@ def _rank(rank: int, init: str, root: str, out: str) -> None:
         h = page_hashes(convs[0], ns)[MISSING_PAGE]
         os.remove(os.path.join(root, f"{h}.kv.r1.kvp"))
     dist.barrier()
-    cache = make_l3_cache("full+swa", tp_group=group, backend_config={"root": root})
+    cache = make_l3_cache("full+swa", store(), tp_group=group)
     same, loaded = [], []
     for conv in convs:
         pf = cache.prefetch(second_turn(conv))

@@ -1,0 +1,152 @@
+"""A file store's root directory: creating or checking it, and opening only its own files.
+
+Shared by both file stores (the segment store and the per-page one). The root's permissions are
+the security boundary: checksums detect corruption, not forgery, so a root that other users can
+write into is refused unless the caller accepts the risk.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+
+__all__ = ["RootLock", "create_file", "open_regular", "open_root"]
+
+log = logging.getLogger(__name__)
+
+# Never follow a symlink, never block opening a FIFO or a device.
+_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def open_root(root: Path, dir_mode: int, allow_unsafe_root: bool) -> int:
+    """Create ``root`` (mode ``dir_mode`` exactly) or check the existing one; its descriptor.
+
+    An existing root that other users could write into (write bits beyond ``dir_mode``, or
+    another owner) raises ``ValueError``, or only logs a warning with ``allow_unsafe_root``.
+    """
+    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(root, dir_mode)  # the umask may narrow it until the fchmod below
+        created = True
+    except FileExistsError:
+        created = False
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if created:
+            os.fchmod(fd, dir_mode)
+            return fd
+        # fstat of the descriptor, not a stat of the path: what is checked is what is used.
+        st = os.fstat(fd)
+        loose = stat.S_IMODE(st.st_mode) & 0o022 & ~dir_mode
+        problems = []
+        if loose:
+            problems.append(f"mode {stat.S_IMODE(st.st_mode):#o} lets others write ({loose:#o})")
+        if st.st_uid != os.geteuid():
+            problems.append(f"owned by uid {st.st_uid}, not {os.geteuid()}")
+        if problems:
+            msg = (
+                f"root {str(root)!r}: {' and '.join(problems)}, so they could plant or "
+                f"alter pages (checksums detect corruption, not forgery)"
+            )
+            if not allow_unsafe_root:
+                raise ValueError(f"{msg}; fix the directory or set allow_unsafe_root=True")
+            log.warning("%s; accepted because allow_unsafe_root=True", msg)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_regular(dirfd: int, name: str, flags: int = os.O_RDONLY) -> int | None:
+    """A descriptor of the regular file ``name`` in the root, or None for anything else (absent,
+    a symlink, FIFO, directory or device, or an IO error): what is checked is what is used."""
+    try:
+        fd = os.open(name, flags | _SAFE, dir_fd=dirfd)
+    except OSError:
+        return None
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
+def create_file(dirfd: int, name: str, mode: int) -> int:
+    """Create ``name`` (it must not exist: ``O_EXCL`` refuses even a dangling symlink) with
+    permission bits ``mode`` exactly, whatever the umask; open for reading and writing."""
+    fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode, dir_fd=dirfd)
+    try:
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class RootLock:
+    """An exclusive ``flock`` on the root's lock file, shared by every process using the root.
+
+    Taken only to create or delete segments (never around page IO), so it is held briefly; a
+    holder that hangs makes ``acquire`` give up after ``timeout_s`` instead of blocking forever.
+    """
+
+    _POLL_S = 0.002
+
+    def __init__(self, dirfd: int, name: str, mode: int, timeout_s: float) -> None:
+        self._dirfd, self._name, self._mode, self._timeout_s = dirfd, name, mode, timeout_s
+        self._fd: int | None = None
+
+    def _open(self) -> int:
+        if self._fd is None:
+            flags = os.O_RDWR | os.O_CREAT
+            try:
+                fd = os.open(self._name, flags | _SAFE, self._mode, dir_fd=self._dirfd)
+            except OSError as e:
+                raise OSError(e.errno, f"lock file {self._name!r}: {e.strerror}") from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise OSError(errno.EINVAL, f"lock file {self._name!r} is not a regular file")
+            if stat.S_IMODE(st.st_mode) != self._mode and st.st_uid == os.geteuid():
+                os.fchmod(fd, self._mode)
+            self._fd = fd
+        return self._fd
+
+    def acquire(self) -> None:
+        """Take the lock; ``TimeoutError`` after ``timeout_s``, ``OSError`` if the lock file is
+        not usable (e.g. something else than a regular file stands at its name)."""
+        fd = self._open()
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"root lock {self._name!r} held elsewhere for {self._timeout_s} s"
+                    ) from None
+                time.sleep(self._POLL_S)  # another process holds it for a few syscalls
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def __enter__(self) -> RootLock:  # noqa: PYI034 - py3.10 has no typing.Self
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,474 @@
+"""The segment store (``create_backend("file")``): records, journals, restart, LRU eviction by
+segment, and its defences against foreign entries, damage, a full disk and a read-only root.
+
+Page bytes are a function of the key (``expected``), so every read is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+
+from kvtier.storage import KeyScope, Namespace, PoolTransfer, create_backend, page_hashes
+from kvtier.storage.segments import SegmentBackend
+from kvtier.storage.segments.format import ENTRY_SIZE, RECORD_HEAD
+
+NS = Namespace("segment-test", "bfloat16", 4, "page_first")
+PAGE = 4096
+CALL_BOUND_S = 10.0  # a storage call that takes longer than this is hung, not slow
+H = page_hashes(range(4 * 64), NS)
+OBJ = [f"{h}.kv.r0" for h in H]  # object keys of pool "kv" under the default (sharded) scope
+RECORD = RECORD_HEAD + PAGE
+ENTRY = ENTRY_SIZE + len(OBJ[0])
+T = TypeVar("T")
+
+
+def expected(h: str, size: int = PAGE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(h[:15], 16))
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+
+
+def empty(n: int, size: int = PAGE) -> list[torch.Tensor]:
+    return list(torch.full((n, size), 0xEE, dtype=torch.uint8).unbind(0))
+
+
+def put(b: SegmentBackend, hashes: list[str]) -> list[bool]:
+    return b.set([PoolTransfer("kv", hashes, [expected(h) for h in hashes])]).ok["kv"]
+
+
+def served(b: SegmentBackend, hashes: list[str]) -> list[bool]:
+    """Per page: read back and equal to its expected bytes (a wrong byte fails the test)."""
+    out = empty(len(hashes))
+    ok = b.get([PoolTransfer("kv", hashes, out)]).ok["kv"]
+    for i, (h, got) in enumerate(zip(hashes, ok)):
+        if got:
+            assert torch.equal(out[i], expected(h)), f"page {i} served with wrong bytes"
+    return ok
+
+
+def bounded(call: Callable[[], T]) -> T:
+    box: dict[str, object] = {}
+    t = threading.Thread(target=lambda: box.setdefault("v", call()), daemon=True)
+    t.start()
+    t.join(CALL_BOUND_S)
+    assert not t.is_alive(), f"storage call did not return within {CALL_BOUND_S} s"
+    return box["v"]  # type: ignore[return-value]
+
+
+def snapshot(b: SegmentBackend) -> dict[str, float]:
+    return b.metrics.snapshot()
+
+
+def segments(root: Path) -> list[Path]:
+    return sorted(root.glob("*.kvs"))
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "l3"
+
+
+def test_file_is_the_segment_store(root: Path) -> None:
+    b = create_backend("file", root=root)
+    assert isinstance(b, SegmentBackend)
+    assert put(b, H[:8]) == [True] * 8
+    assert len(segments(root)) == 1, "a batch goes to one segment, not one file per page"
+    assert served(b, H[:8]) == [True] * 8
+    b.close()
+
+
+def test_roundtrip_parts_duplicates_and_idempotent_set(root: Path) -> None:
+    b = create_backend("file", root=root)
+    src = [expected(h) for h in H[:4]]
+    split = [(p[:1000], p[1000:]) for p in src]  # a page_first page: K range, V range
+    assert b.set([PoolTransfer("kv", H[:4] + H[:1], [*split, split[0]])]).all_ok
+    before = b.used_bytes
+    assert put(b, H[:4]) == [True] * 4
+    assert b.used_bytes == before, "a stored key is not rewritten"
+    outs = [(x[:3000], x[3000:]) for x in empty(5)]
+    assert b.get([PoolTransfer("kv", [*H[:4], H[0]], outs)]).all_ok
+    for i, h in enumerate([*H[:4], H[0]]):
+        assert torch.equal(torch.cat(outs[i]), expected(h)), f"page {i}"
+    assert b.exists([PoolTransfer("kv", H[:6])]) == 4
+    b.close()
+
+
+def test_index_rebuilt_at_restart_and_other_process_writes_seen(root: Path) -> None:
+    a = create_backend("file", root=root)
+    reader = create_backend("file", root=root)  # opened before the writes: it must tail them
+    assert put(a, H[:10]) == [True] * 10
+    assert reader.exists([PoolTransfer("kv", H[:10])]) == 10, "the next call sees them"
+    assert served(reader, H[:10]) == [True] * 10
+    a.close()
+    again = create_backend("file", root=root)
+    assert again.exists([PoolTransfer("kv", H[:10])]) == 10
+    assert served(again, H[:10]) == [True] * 10
+    assert again.object_keys() and sorted(again.object_keys()) == sorted(OBJ[:10])
+
+
+def test_wrong_buffer_size_is_a_failed_page_not_a_checksum_miss(root: Path) -> None:
+    b = create_backend("file", root=root)
+    put(b, H[:2])
+    out = [torch.empty(PAGE, dtype=torch.uint8), torch.empty(PAGE * 2, dtype=torch.uint8)]
+    assert b.get([PoolTransfer("kv", H[:2], out)]).ok["kv"] == [True, False]
+    assert snapshot(b)["checksum_miss_pages"] == 0
+    assert served(b, H[:2]) == [True, True], "the record was not dropped"
+
+
+# -- capacity and eviction -----------------------------------------------------------------------
+
+
+def two_page_segments(root: Path, capacity: int | None = None) -> SegmentBackend:
+    """A store whose segments hold two records each (a batch of two fills one)."""
+    b = create_backend(
+        "file", root=root, segment_bytes=2 * RECORD, capacity_bytes=capacity, touch_interval_s=0
+    )
+    assert isinstance(b, SegmentBackend)
+    return b
+
+
+# A full two-record segment and its journal, as the capacity counts them (the journal at least
+# at its reservation), and a new segment with its journal reservation.
+FINISHED = 2 * RECORD + max(2 * ENTRY, 2 * RECORD // 32)
+NEW = 2 * RECORD + max(ENTRY_SIZE + 160, 2 * RECORD // 32)
+
+
+def test_lru_order_by_segment_survives_restart(root: Path) -> None:
+    b = two_page_segments(root)
+    for lo in (0, 2, 4):  # segments A, B, C
+        assert put(b, H[lo : lo + 2]) == [True, True]
+    assert served(b, H[0:2]) == [True, True]  # A is now the most recently used
+    b.close()
+    assert len(segments(root)) == 3
+    again = two_page_segments(root, capacity=3 * FINISHED + NEW - 1)  # D needs one evicted
+    assert put(again, H[6:8]) == [True, True]
+    assert [again.exists([PoolTransfer("kv", H[lo : lo + 2])]) for lo in (0, 2, 4, 6)] == [
+        2,
+        0,
+        2,
+        2,
+    ], "B, the least recently used segment, is evicted; A survived by its read"
+    assert again.used_bytes <= 3 * FINISHED + NEW - 1
+
+
+def test_capacity_holds_under_many_writes(root: Path) -> None:
+    cap = 5 * FINISHED + NEW
+    b = two_page_segments(root, capacity=cap)
+    for lo in range(0, 40, 2):
+        assert put(b, H[lo : lo + 2]) == [True, True]
+        assert b.used_bytes <= cap
+    assert b.exists([PoolTransfer("kv", H[38:40])]) == 2
+    assert b.exists([PoolTransfer("kv", H[:2])]) == 0, "the oldest were evicted"
+    assert put(b, H[:1]) == [True] and served(b, H[:1]) == [True], "and can be written again"
+
+
+def test_dead_segments_go_first(root: Path) -> None:
+    b = two_page_segments(root)
+    for lo in (0, 2, 4):
+        put(b, H[lo : lo + 2])
+    for i in (2, 3):  # damage both records of B: once read, none of its records is live
+        span = b.locate(OBJ[i])
+        assert span is not None
+        flip(span.path, span.offset + span.size - 1)
+    assert served(b, H[2:4]) == [False, False]
+    assert served(b, H[0:2]) == [True, True]  # A older than C, but touched
+    b.close()
+    again = two_page_segments(root, capacity=3 * FINISHED + NEW - 1)
+    assert served(again, H[2:4]) == [False, False]  # this process learns they are dead too
+    assert put(again, H[6:8]) == [True, True]
+    assert [again.exists([PoolTransfer("kv", H[lo : lo + 2])]) for lo in (0, 4, 6)] == [2, 2, 2]
+
+
+def test_page_larger_than_the_capacity_fails_alone(root: Path) -> None:
+    b = create_backend("file", root=root, capacity_bytes=3 * RECORD)
+    big = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    res = b.set([PoolTransfer("kv", H[:1], [big])])
+    assert res.ok["kv"] == [False] and snapshot(b)["failed_pages.write"] == 1
+    assert put(b, H[1:2]) == [True]
+
+
+# -- damage and foreign entries -------------------------------------------------------------------
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("where", ["payload", "page-header", "prefix"])
+def test_flipped_byte_is_a_counted_miss_and_the_batch_is_served(root: Path, where: str) -> None:
+    b = create_backend("file", root=root)
+    put(b, H[:3])
+    span = b.locate(OBJ[1])
+    assert span is not None
+    flip(span.path, span.offset + {"payload": span.size - 7, "page-header": 30, "prefix": 9}[where])
+    assert bounded(lambda: served(b, H[:3])) == [True, False, True]
+    assert snapshot(b)["checksum_miss_pages"] == 1
+    assert b.exists([PoolTransfer("kv", H[:3])]) == 1, "the bad record was dropped"
+    assert put(b, H[1:2]) == [True] and served(b, H[:3]) == [True] * 3, "and is written anew"
+
+
+def test_a_record_that_verified_once_is_verified_again(root: Path) -> None:
+    """The verify rule is 'always': even the writer's own, already-read record."""
+    b = create_backend("file", root=root)
+    put(b, H[:2])
+    assert served(b, H[:2]) == [True, True]
+    span = b.locate(OBJ[0])
+    assert span is not None
+    flip(span.path, span.offset + RECORD_HEAD)
+    assert served(b, H[:2]) == [False, True] and snapshot(b)["checksum_miss_pages"] == 1
+
+
+def test_another_keys_record_copied_in_is_a_miss(root: Path) -> None:
+    b = create_backend("file", root=root)
+    put(b, H[:3])
+    src, dst = b.locate(OBJ[2]), b.locate(OBJ[1])
+    assert src is not None and dst is not None
+    with open(src.path, "r+b") as f:
+        f.seek(src.offset)
+        record = f.read(src.size)
+        f.seek(dst.offset)
+        f.write(record)
+    assert served(b, H[:3]) == [True, False, True]
+    assert snapshot(b)["checksum_miss_pages"] == 1
+
+
+def test_truncated_segment_and_torn_journal(root: Path) -> None:
+    b = create_backend("file", root=root)
+    put(b, H[:4])
+    b.close()
+    seg = segments(root)[0]
+    journal = seg.with_suffix(".kvj")
+    os.truncate(seg, 3 * RECORD + RECORD // 2)  # record 3 cut in half
+    os.truncate(journal, 4 * ENTRY - 5)  # entry 3 torn too: both must be harmless
+    again = create_backend("file", root=root)
+    assert bounded(lambda: served(again, H[:4])) == [True, True, True, False]
+    os.truncate(journal, 4 * ENTRY)  # zero-filled tail: not an entry either
+    third = create_backend("file", root=root)
+    assert served(third, H[:4]) == [True, True, True, False]
+
+
+def test_journal_entry_pointing_past_the_segment_is_a_miss(root: Path) -> None:
+    b = create_backend("file", root=root)
+    put(b, H[:2])
+    b.close()
+    seg = segments(root)[0]
+    os.truncate(seg, RECORD + RECORD // 2)
+    again = create_backend("file", root=root)
+    assert served(again, H[:2]) == [True, False]
+    assert snapshot(again)["checksum_miss_pages"] == 1
+
+
+@pytest.mark.parametrize("what", ["kvs", "kvj"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink-out"])
+def test_foreign_entry_in_place_of_a_segment_file(
+    root: Path, tmp_path: Path, what: str, kind: str
+) -> None:
+    b = create_backend("file", root=root)
+    put(b, H[:2])
+    b.close()
+    victim = segments(root)[0].with_suffix("." + what)
+    outside = tmp_path / "outside"
+    shutil.copy(victim, outside)  # a valid file, out of the root
+    victim.unlink()
+    if kind == "fifo":
+        os.mkfifo(victim)
+    elif kind == "directory":
+        victim.mkdir()
+    else:
+        victim.symlink_to(outside)
+    other = create_backend("file", root=root)
+    put(other, H[2:4])  # pages in another segment, read in the same batch
+    reader = bounded(lambda: create_backend("file", root=root))
+    assert bounded(lambda: served(reader, H[:4])) == [False, False, True, True]
+    assert (
+        stat.S_IFMT(os.lstat(victim).st_mode)
+        == {
+            "fifo": stat.S_IFIFO,
+            "directory": stat.S_IFDIR,
+            "symlink-out": stat.S_IFLNK,
+        }[kind]
+    ), "a foreign entry is never deleted"
+    reader.clear()
+    assert victim.exists() or victim.is_symlink()
+    assert outside.exists()
+
+
+def test_lock_file_replaced_by_a_fifo_fails_writes_in_bounded_time(root: Path) -> None:
+    b = create_backend("file", root=root)
+    put(b, H[:1])
+    b.close()
+    (root / "lock").unlink()
+    os.mkfifo(root / "lock")
+    again = create_backend("file", root=root)
+    assert bounded(lambda: served(again, H[:1])) == [True], "reads need no lock"
+    assert bounded(lambda: put(again, H[1:2])) == [False]
+    assert snapshot(again)["failed_pages.write"] == 1
+
+
+# -- permissions, full disk, read-only root -------------------------------------------------------
+
+
+def mode(p: Path) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_modes_ignore_the_umask(root: Path) -> None:
+    old = os.umask(0)
+    try:
+        b = create_backend("file", root=root)
+        put(b, H[:2])
+    finally:
+        os.umask(old)
+    assert mode(root) == 0o700
+    assert {p.name: mode(p) for p in root.iterdir()} == {
+        p.name: 0o600 for p in root.iterdir()
+    } and len(list(root.iterdir())) == 3
+
+
+def test_unsafe_root_is_refused(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root.mkdir(parents=True)
+    root.chmod(0o777)
+    with pytest.raises(ValueError, match=r"mode 0o777 lets others write"):
+        create_backend("file", root=root)
+    assert list(root.iterdir()) == []
+    with caplog.at_level(logging.WARNING):
+        b = create_backend("file", root=root, allow_unsafe_root=True)
+    assert "allow_unsafe_root" in caplog.text
+    assert put(b, H[:1]) == [True]
+
+
+@pytest.mark.parametrize(
+    "option,value,error",
+    [
+        ("capacity_bytes", 0, ValueError),
+        ("segment_bytes", 1.5, TypeError),
+        ("io_threads", -1, ValueError),
+        ("file_mode", 0o200, ValueError),
+        ("lock_timeout_s", -1, ValueError),
+    ],
+)
+def test_config_validates(root: Path, option: str, value: object, error: type) -> None:
+    with pytest.raises(error, match=option):
+        create_backend("file", root=root, **{option: value})
+    assert not root.exists()
+    with pytest.raises(ValueError, match="segment_bytes must be at most capacity_bytes"):
+        create_backend("file", root=root, capacity_bytes=10, segment_bytes=11)
+
+
+def in_private_tmpfs(script: str, tmp_path: Path, mount_opts: str) -> subprocess.CompletedProcess:
+    """Run ``script`` (Python; ``ROOT`` is a fresh tmpfs mounted with ``mount_opts``) in a mount
+    namespace of its own; skip where mounting is not allowed."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare to mount a private tmpfs")
+    where = tmp_path / "mnt"
+    where.mkdir()
+    code = "import os, sys, torch\nROOT = sys.argv[1]\n" + CHILD_PRELUDE + textwrap.dedent(script)
+    (tmp_path / "child.py").write_text(code)
+    cmd = (
+        f"mount -t tmpfs -o {mount_opts} tmpfs {where} || exit 77; "
+        f"{sys.executable} {tmp_path / 'child.py'} {where}"
+    )
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", cmd],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    if out.returncode == 77 or "unshare failed" in out.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {out.stderr.strip()[-200:]}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+CHILD_PRELUDE = """
+from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+H = page_hashes(range(4 * 400), Namespace("segment-test", "bfloat16", 4, "page_first"))
+def src(h):
+    g = torch.Generator().manual_seed(int(h[:15], 16))
+    return torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)
+"""
+
+
+def test_full_disk_fails_pages_and_keeps_what_is_stored(tmp_path: Path) -> None:
+    script = """
+    b = create_backend("file", root=ROOT + "/l3", segment_bytes=64 << 10)
+    stored, failed_batches = [], 0
+    for lo in range(0, 400, 8):
+        ok = b.set([PoolTransfer("kv", H[lo:lo + 8], [src(h) for h in H[lo:lo + 8]])]).ok["kv"]
+        stored += [h for h, k in zip(H[lo:lo + 8], ok) if k]
+        failed_batches += not all(ok)
+    assert failed_batches > 0, "a 1 MiB disk must fill up"
+    assert b.metrics.snapshot()["failed_pages.write"] > 0
+    out = [torch.empty(4096, dtype=torch.uint8) for _ in stored]
+    assert b.get([PoolTransfer("kv", stored, out)]).all_ok
+    assert all(torch.equal(o, src(h)) for o, h in zip(out, stored))
+    b.close()
+    again = create_backend("file", root=ROOT + "/l3")
+    out = [torch.empty(4096, dtype=torch.uint8) for _ in stored]
+    assert again.get([PoolTransfer("kv", stored, out)]).all_ok, "a reader after restart too"
+    assert all(torch.equal(o, src(h)) for o, h in zip(out, stored))
+    print("stored", len(stored))
+    """
+    out = in_private_tmpfs(script, tmp_path, "size=1m")
+    assert "stored" in out.stdout
+
+
+def test_read_only_root_serves_reads_and_fails_writes(tmp_path: Path) -> None:
+    script = """
+    import subprocess
+    b = create_backend("file", root=ROOT + "/l3", segment_bytes=256 << 10)
+    assert b.set([PoolTransfer("kv", H[:4], [src(h) for h in H[:4]])]).all_ok
+    b.close()
+    subprocess.run(["mount", "-o", "remount,ro", ROOT], check=True)
+    ro = create_backend("file", root=ROOT + "/l3")
+    out = [torch.empty(4096, dtype=torch.uint8) for _ in range(4)]
+    assert ro.get([PoolTransfer("kv", H[:4], out)]).all_ok
+    assert all(torch.equal(o, src(h)) for o, h in zip(out, H[:4]))
+    res = ro.set([PoolTransfer("kv", H[4:6], [src(h) for h in H[4:6]])])
+    assert res.ok["kv"] == [False, False], res
+    assert ro.metrics.snapshot()["failed_pages.write"] == 2
+    print("read-only ok")
+    """
+    out = in_private_tmpfs(script, tmp_path, "size=4m")
+    assert "read-only ok" in out.stdout
+
+
+def test_scope_keys_do_not_alias(root: Path) -> None:
+    sharded = create_backend("file", root=root)
+    put(sharded, H[:1])
+    replicated = create_backend("file", root=root, scope=KeyScope(replicated=True))
+    out = empty(1)
+    assert replicated.get([PoolTransfer("r0", [H[0] + ".kv"], out)]).ok["r0"] == [False]
+    assert replicated.exists([PoolTransfer("kv", H[:1])]) == 0
+
+
+def test_journal_read_in_chunks_that_cut_entries(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.storage.segments import store
+
+    b = create_backend("file", root=root)
+    put(b, H[:20])
+    b.close()
+    monkeypatch.setattr(store, "_JOURNAL_READ", ENTRY * 3 + ENTRY // 2)  # ends mid-entry
+    again = create_backend("file", root=root)
+    assert again.exists([PoolTransfer("kv", H[:20])]) == 20
+    assert served(again, H[:20]) == [True] * 20
