@@ -26,8 +26,10 @@ def main() -> None:
     pool = MHADevicePool(layers, size, heads, dim, torch.bfloat16, dev, P)
     host = HostPool(pool, "page_first", size=size)
     alloc, halloc = PageAllocator(size, P), PageAllocator(size, P)
-    print(f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; pool {layers} layers "
-          f"x {heads} heads x {dim} bf16, page {P}, host page_first")
+    print(
+        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; pool {layers} layers "
+        f"x {heads} heads x {dim} bf16, page {P}, host page_first"
+    )
     print("tokens | bytes/call | D->H all layers: GB/s (median us) | H->D one layer: GB/s (us)")
     for tokens in (16, 64, 256, 1024, 4096, 16384):
         d = alloc.alloc(tokens).to(dev)
@@ -35,8 +37,10 @@ def main() -> None:
         row = []
         for fn, nbytes in (
             (lambda d=d, h=h: host.backup(d, h, check=False), tokens * pool.bytes_per_token),
-            (lambda d=d, h=h: host.load(h, d, layer=0, check=False),
-             tokens * pool.bytes_per_token // layers),
+            (
+                lambda d=d, h=h: host.load(h, d, layer=0, check=False),
+                tokens * pool.bytes_per_token // layers,
+            ),
         ):
             fn()  # warm-up (compile, first touch)
             times = []

@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 PY=${PYTHON:-python3}
+# Lint and format are part of the suite (the rules and the pinned ruff are in pyproject.toml).
+"$PY" -m ruff check kvtier tests profiling
+"$PY" -m ruff format --check kvtier tests profiling
 
 if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then
   exec unshare -n bash -c 'ip link set lo up && exec "$0" -m pytest -q "$@"' "$PY" "$@"

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 # Test tensors are tiny: intra-op threads only add overhead, and thrash when the machine is busy.
 torch.set_num_threads(1)
 
-import pytest
+import pytest  # noqa: E402  (after TRITON_INTERPRET is set)
 
 
 @pytest.fixture

@@ -49,8 +49,9 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 pkg = pkg[: len(pkg) - (node.level - 1)]
                 base = ".".join(pkg + ([base] if base else []))
             # ``from pkg import sub`` imports the submodule when one exists
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                       for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         for t in targets:
@@ -92,7 +93,7 @@ def test_no_import_circles():
             if m.startswith(n + "."):
                 continue  # a package importing its own submodules is no circle
             if state.get(m) == 1:
-                cycle = stack[stack.index(m):] + [m]
+                cycle = stack[stack.index(m) :] + [m]
                 raise AssertionError("import circle: " + " -> ".join(cycle))
             if m not in state:
                 visit(m)

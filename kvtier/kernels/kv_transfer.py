@@ -46,7 +46,12 @@ _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 # per pool and direction, so a cache compiles every variant it needs in ``warmup``.
 @triton.jit(
     do_not_specialize=[
-        "dev_idx_ptr", "host_idx_ptr", "n_rows", "layer_start", "n_sel_layers", "n_tiles_r",
+        "dev_idx_ptr",
+        "host_idx_ptr",
+        "n_rows",
+        "layer_start",
+        "n_sel_layers",
+        "n_tiles_r",
         "num_tiles",
     ]
 )

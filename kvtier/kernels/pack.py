@@ -84,9 +84,29 @@ def _page_copy(buffers, flat, pages, pack, layer, knobs, check, impl) -> str:
     rows = _rows(flat, pages.numel(), buffers.device)
     op = "pack" if pack else "unpack"
     knobs = _knobs(knobs, buffers, flat)
-    with nvtx_range(f"kvtier.{op} {pages.numel()} pages {fmt_bytes(pages.numel() * flat.page_bytes)}"):
+    with nvtx_range(
+        f"kvtier.{op} {pages.numel()} pages {fmt_bytes(pages.numel() * flat.page_bytes)}"
+    ):
         if pack:
-            return copy_device_to_host(buffers, flat, pages, rows, layer=layer, index_unit="page",
-                                       knobs=knobs, check=check, impl=impl)
-        return copy_host_to_device(flat, buffers, rows, pages, layer=layer, index_unit="page",
-                                   knobs=knobs, check=check, impl=impl)
+            return copy_device_to_host(
+                buffers,
+                flat,
+                pages,
+                rows,
+                layer=layer,
+                index_unit="page",
+                knobs=knobs,
+                check=check,
+                impl=impl,
+            )
+        return copy_host_to_device(
+            flat,
+            buffers,
+            rows,
+            pages,
+            layer=layer,
+            index_unit="page",
+            knobs=knobs,
+            check=check,
+            impl=impl,
+        )

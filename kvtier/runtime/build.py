@@ -119,7 +119,11 @@ def build_cache_parts(
     if cfg.storage is not None:
         hosts = {"kv": host_full, "indexer": host_indexer, "swa": host_swa, "mamba": host_mamba}
         l3 = L3Tier(
-            cfg, tree, {n: h for n, h in hosts.items() if h is not None}, tp_group, tier_metrics,
+            cfg,
+            tree,
+            {n: h for n, h in hosts.items() if h is not None},
+            tp_group,
+            tier_metrics,
             storage_backend,
         )
 
@@ -139,12 +143,29 @@ def build_cache_parts(
         pool = _POOL_OF_KIND[kind]
         layer_map.append((pool, sum(1 for p, _ in layer_map if p == pool)))
     controller = CacheController(
-        tree, bindings, layer_map, device, tp_group, ack_delay_steps,
+        tree,
+        bindings,
+        layer_map,
+        device,
+        tp_group,
+        ack_delay_steps,
         on_backup_done=l3.on_backup_done if l3 is not None else None,
     )
     return CacheParts(
-        device, full_pool, indexer_pool, swa_pool, mamba_pool, host_full, host_indexer, host_swa,
-        host_mamba, tree, controller, layer_map, tier_metrics, l3,
+        device,
+        full_pool,
+        indexer_pool,
+        swa_pool,
+        mamba_pool,
+        host_full,
+        host_indexer,
+        host_swa,
+        host_mamba,
+        tree,
+        controller,
+        layer_map,
+        tier_metrics,
+        l3,
     )
 
 

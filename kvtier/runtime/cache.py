@@ -71,7 +71,9 @@ class Request(CacheRequest):
     mamba_ckpt: torch.Tensor | None = None
     mamba_ckpt_len: int = 0
     released: str = ""  # "finished" or "aborted" once the cache has taken everything back
-    _pending_cow: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _pending_cow: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def cached_len(self) -> int:
@@ -233,7 +235,7 @@ class TieredKVCache:
             return
         # Copied layer by layer in wait_layer: a loaded state arrives with its layer's event.
         s = src.to(self.device)
-        for i, (kind, pool_layer) in enumerate(self.layer_map):
+        for i, (kind, _) in enumerate(self.layer_map):
             if kind == "mamba":
                 req._pending_cow[i] = (s, d)
 
@@ -391,8 +393,10 @@ class TieredKVCache:
                 self.cache_unfinished_req(req)
             self.tree.free_out_of_window(req, n)
         lock = req.pin
-        if lock is not None and lock.swa_boundary is not None and (
-            n - self.config.swa_window >= req.cache_protected_len
+        if (
+            lock is not None
+            and lock.swa_boundary is not None
+            and (n - self.config.swa_window >= req.cache_protected_len)
         ):
             req.pin = self.tree.unpin_swa(lock)
 
@@ -577,8 +581,10 @@ def token_list(token_ids) -> list[int]:
     """Token ids as a list of Python ints: a sequence of ints, a 1-D integer tensor or a 1-D
     integer numpy array. Raises ``TypeError``/``ValueError`` naming ``token_ids`` otherwise."""
     if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype in (
-            torch.bool, torch.complex64, torch.complex128
+        if (
+            token_ids.dim() != 1
+            or token_ids.dtype.is_floating_point
+            or token_ids.dtype in (torch.bool, torch.complex64, torch.complex128)
         ):
             raise TypeError(
                 f"token_ids: expected a 1-D integer tensor, got {token_ids.dim()}-D "
@@ -610,8 +616,9 @@ def token_list(token_ids) -> list[int]:
     lo, hi = min(tokens), max(tokens)
     if lo < 0 or hi >= 2**63:
         bad = lo if lo < 0 else hi
-        raise ValueError(f"token_ids: token id {bad} at position {tokens.index(bad)} is outside "
-                         "[0, 2**63)")
+        raise ValueError(
+            f"token_ids: token id {bad} at position {tokens.index(bad)} is outside [0, 2**63)"
+        )
     return tokens
 
 

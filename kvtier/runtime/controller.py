@@ -177,8 +177,10 @@ class CacheController:
             t0 = time.perf_counter()
             with self._after_compute(self.write_stream):
                 # Indices first, so that the timed span holds the copies alone.
-                idx = [(t, self._to_device(t.device_indices), self._to_device(t.host_indices))
-                       for t in books.transfers]
+                idx = [
+                    (t, self._to_device(t.device_indices), self._to_device(t.host_indices))
+                    for t in books.transfers
+                ]
                 if start is not None:
                     start.record()
                 for t, d, h in idx:
@@ -261,8 +263,18 @@ class CacheController:
         if not self.cuda:
             self.stats.h2d_seconds += time.perf_counter() - t0
             self.stats.h2d_timed_bytes += nbytes
-        self._loads.append(_Op("load", loads, events[-1] if events else None, keep, self._step,
-                               start, nbytes, events))
+        self._loads.append(
+            _Op(
+                "load",
+                loads,
+                events[-1] if events else None,
+                keep,
+                self._step,
+                start,
+                nbytes,
+                events,
+            )
+        )
         return True
 
     def wait_layer(self, layer: int) -> None:
@@ -367,4 +379,3 @@ class CacheController:
     @property
     def in_flight(self) -> int:
         return len(self._backups) + len(self._loads) + len(self._queued)
-

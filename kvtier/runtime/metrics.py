@@ -103,27 +103,64 @@ class CacheMetrics:
         c, s = self.counters, self.transfers
         fams = [
             ("kvtier_requests_total", "counter", "Requests matched.", [({}, c.requests)]),
-            ("kvtier_prompt_tokens_total", "counter", "Prompt tokens matched.",
-             [({}, c.prompt_tokens)]),
-            ("kvtier_evicted_tokens_total", "counter", "FULL tokens evicted from the device.",
-             [({}, c.evicted_tokens)]),
-            ("kvtier_load_backs_total", "counter", "Host hits loaded back, or skipped.",
-             [({"result": "loaded"}, c.load_backs), ({"result": "skipped"}, c.load_backs_skipped)]),
-            ("kvtier_copies_total", "counter", "Device-host copies issued.",
-             [({"direction": "d2h"}, s.backups), ({"direction": "h2d"}, s.loads)]),
-            ("kvtier_copy_ack_seconds_total", "counter",
-             "Submit-to-acknowledge latency of device-host copies, summed.",
-             [({"direction": "d2h"}, s.d2h_ack_seconds), ({"direction": "h2d"}, s.h2d_ack_seconds)]),
+            (
+                "kvtier_prompt_tokens_total",
+                "counter",
+                "Prompt tokens matched.",
+                [({}, c.prompt_tokens)],
+            ),
+            (
+                "kvtier_evicted_tokens_total",
+                "counter",
+                "FULL tokens evicted from the device.",
+                [({}, c.evicted_tokens)],
+            ),
+            (
+                "kvtier_load_backs_total",
+                "counter",
+                "Host hits loaded back, or skipped.",
+                [
+                    ({"result": "loaded"}, c.load_backs),
+                    ({"result": "skipped"}, c.load_backs_skipped),
+                ],
+            ),
+            (
+                "kvtier_copies_total",
+                "counter",
+                "Device-host copies issued.",
+                [({"direction": "d2h"}, s.backups), ({"direction": "h2d"}, s.loads)],
+            ),
+            (
+                "kvtier_copy_ack_seconds_total",
+                "counter",
+                "Submit-to-acknowledge latency of device-host copies, summed.",
+                [
+                    ({"direction": "d2h"}, s.d2h_ack_seconds),
+                    ({"direction": "h2d"}, s.h2d_ack_seconds),
+                ],
+            ),
         ]
         if self.l3_counters is not None:
             lc = self.l3_counters
             fams += [
-                ("kvtier_l3_decisions_total", "counter",
-                 "L3 hits loaded or recomputed (load-or-recompute).",
-                 [({"decision": "load"}, lc["l3_decision_load"]),
-                  ({"decision": "recompute"}, lc["l3_decision_recompute"])]),
-                ("kvtier_prefetch_revoked_total", "counter", "Prefetches revoked, by reason.",
-                 [({"reason": r.value}, lc[f"prefetch_revoked_{r.value}"]) for r in RevokeReason]),
+                (
+                    "kvtier_l3_decisions_total",
+                    "counter",
+                    "L3 hits loaded or recomputed (load-or-recompute).",
+                    [
+                        ({"decision": "load"}, lc["l3_decision_load"]),
+                        ({"decision": "recompute"}, lc["l3_decision_recompute"]),
+                    ],
+                ),
+                (
+                    "kvtier_prefetch_revoked_total",
+                    "counter",
+                    "Prefetches revoked, by reason.",
+                    [
+                        ({"reason": r.value}, lc[f"prefetch_revoked_{r.value}"])
+                        for r in RevokeReason
+                    ],
+                ),
             ]
         return fams
 

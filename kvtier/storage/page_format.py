@@ -39,6 +39,7 @@ _XXH3, _CRC32 = 1, 2
 _HEADER = struct.Struct("<4sBBHQQQ")
 assert _HEADER.size == HEADER_SIZE
 
+
 def _crc32(parts: Sequence[Buffer]) -> int:
     crc = 0
     for part in parts:

@@ -26,13 +26,31 @@ P = 8
 
 
 def setup(kinds, policy, device):
-    mc = HybridModelConfig(layer_kinds=kinds, hidden=32, q_heads=2, kv_heads=1, head_dim=8,
-                           swa_window=6, mamba_heads=1, mamba_head_dim=8, mamba_state=4, ffn=32)
+    mc = HybridModelConfig(
+        layer_kinds=kinds,
+        hidden=32,
+        q_heads=2,
+        kv_heads=1,
+        head_dim=8,
+        swa_window=6,
+        mamba_heads=1,
+        mamba_head_dim=8,
+        mamba_state=4,
+        ffn=32,
+    )
     model = HybridModel(mc, device=device)
     cfg = CacheConfig(
-        layer_kinds=kinds, kv_heads=1, head_dim=8, page_size=P, device_tokens=96, dtype=mc.dtype,
-        swa_window=6 if "swa" in kinds else None, mamba=mc.mamba_spec() if "mamba" in kinds else None,
-        mamba_slots=8 if "mamba" in kinds else None, host_ratio=8.0, write_policy=policy,
+        layer_kinds=kinds,
+        kv_heads=1,
+        head_dim=8,
+        page_size=P,
+        device_tokens=96,
+        dtype=mc.dtype,
+        swa_window=6 if "swa" in kinds else None,
+        mamba=mc.mamba_spec() if "mamba" in kinds else None,
+        mamba_slots=8 if "mamba" in kinds else None,
+        host_ratio=8.0,
+        write_policy=policy,
         device=str(device),
     )
     cache = TieredKVCache(cfg)
@@ -52,7 +70,7 @@ def test_turns_hit_device_then_host_and_equal_cold(model_name, policy, device):
     hits = []
     for turn in range(4):
         if turn == 2:  # other users flood the device; then force the rest out
-            for i in range(3):
+            for _ in range(3):
                 runner.generate(torch.randint(0, 256, (30,), generator=gen).tolist(), 2)
                 cache.check_integrity()
             cache.drain()
@@ -93,9 +111,21 @@ def test_demo_runs_and_is_exact():
 
 def test_runner_refuses_a_cache_with_other_layer_order(device):
     model, cache, _ = setup(MODELS["full+swa+mamba"], "write_through", device)
-    other = HybridModel(HybridModelConfig(layer_kinds=("full", "mamba", "swa"), hidden=32, q_heads=2,
-                                          kv_heads=1, head_dim=8, swa_window=6, mamba_heads=1,
-                                          mamba_head_dim=8, mamba_state=4, ffn=32), device=device)
+    other = HybridModel(
+        HybridModelConfig(
+            layer_kinds=("full", "mamba", "swa"),
+            hidden=32,
+            q_heads=2,
+            kv_heads=1,
+            head_dim=8,
+            swa_window=6,
+            mamba_heads=1,
+            mamba_head_dim=8,
+            mamba_state=4,
+            ffn=32,
+        ),
+        device=device,
+    )
     with pytest.raises(ValueError, match="cache: layer kinds"):
         CachedRunner(other, cache)
 

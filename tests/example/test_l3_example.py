@@ -35,12 +35,20 @@ def make_cache(name: str, root: str) -> TieredKVCache:
     mc = MODELS[name]
     has = set(mc.layer_kinds)
     cfg = CacheConfig(
-        layer_kinds=mc.layer_kinds, kv_heads=mc.kv_heads, head_dim=mc.head_dim, page_size=P,
-        device_tokens=128, dtype=mc.dtype, swa_window=mc.swa_window if "swa" in has else None,
+        layer_kinds=mc.layer_kinds,
+        kv_heads=mc.kv_heads,
+        head_dim=mc.head_dim,
+        page_size=P,
+        device_tokens=128,
+        dtype=mc.dtype,
+        swa_window=mc.swa_window if "swa" in has else None,
         mamba=mc.mamba_spec() if "mamba" in has else None,
-        mamba_slots=4 if "mamba" in has else None, host_ratio=4.0, model_id=f"example-{name}",
-        storage=StorageConfig(backend_config={"root": root}, prefetch_min_tokens=P,
-                              prefetch_policy="wait_complete"),
+        mamba_slots=4 if "mamba" in has else None,
+        host_ratio=4.0,
+        model_id=f"example-{name}",
+        storage=StorageConfig(
+            backend_config={"root": root}, prefetch_min_tokens=P, prefetch_policy="wait_complete"
+        ),
     )
     return TieredKVCache(cfg)
 

@@ -21,12 +21,28 @@ KINDS = ("full", "swa", "full")
 
 
 def setup(swa_tokens: int, device, device_tokens: int = 1024):
-    mc = HybridModelConfig(layer_kinds=KINDS, hidden=16, q_heads=2, kv_heads=1, head_dim=8,
-                           swa_window=W, ffn=16, vocab=64)
+    mc = HybridModelConfig(
+        layer_kinds=KINDS,
+        hidden=16,
+        q_heads=2,
+        kv_heads=1,
+        head_dim=8,
+        swa_window=W,
+        ffn=16,
+        vocab=64,
+    )
     model = HybridModel(mc, device=device)
     cfg = CacheConfig(
-        layer_kinds=KINDS, kv_heads=1, head_dim=8, page_size=P, device_tokens=device_tokens,
-        dtype=mc.dtype, swa_window=W, swa_tokens=swa_tokens, host_ratio=2.0, device=str(device),
+        layer_kinds=KINDS,
+        kv_heads=1,
+        head_dim=8,
+        page_size=P,
+        device_tokens=device_tokens,
+        dtype=mc.dtype,
+        swa_window=W,
+        swa_tokens=swa_tokens,
+        host_ratio=2.0,
+        device=str(device),
     )
     cache = TieredKVCache(cfg)
     return model, cache

@@ -24,7 +24,7 @@ def test_device_then_host_hits_are_exact(model, policy):
     second = run_turn(cache, convs[0] + [7, 7, 7] + [1, 2, 3, 4, 5])
     assert second.cached_len > 0 and second.host_hit == 0, "turn 2 should hit the device"
     # flood the device with other prompts so the first conversations leave it
-    for i in range(6):
+    for _ in range(6):
         run_turn(cache, torch.randint(50, 99, (16,), generator=gen).tolist())
     cache.drain()
     cache.evict(cache.config.device_tokens)
@@ -71,8 +71,13 @@ def test_bad_configs():
     with pytest.raises(ValueError, match="host_layout: unknown host layout 'page_head'"):
         CacheConfig(layer_kinds=("full",), host_layout="page_head", **base)
     with pytest.raises(ValueError, match="mamba_host_layout: Mamba host pools support only 'flat'"):
-        CacheConfig(layer_kinds=("full", "mamba"), mamba=SPEC, mamba_slots=4,
-                    mamba_host_layout="layer_first", **base)
+        CacheConfig(
+            layer_kinds=("full", "mamba"),
+            mamba=SPEC,
+            mamba_slots=4,
+            mamba_host_layout="layer_first",
+            **base,
+        )
     with pytest.raises(ValueError, match="host_tokens: host pool of 16 tokens is smaller"):
         CacheConfig(layer_kinds=("full",), **{**base, "host_ratio": 0.5})
     with pytest.raises(ValueError, match="write_policy: unknown 'write_around'"):

@@ -21,10 +21,18 @@ SPEC = MambaStateSpec(temporal_shape=(2, 3), conv_shapes=((4, 2),), conv_dtypes=
 
 def make_cache(kinds=("full", "swa", "mamba"), policy="write_through", **kw) -> TieredKVCache:
     cfg = CacheConfig(
-        layer_kinds=kinds, kv_heads=1, head_dim=4, page_size=P, device_tokens=64,
-        dtype=torch.float32, swa_window=8 if "swa" in kinds else None,
-        mamba=SPEC if "mamba" in kinds else None, mamba_slots=8 if "mamba" in kinds else None,
-        host_ratio=4.0, write_policy=policy, **kw,
+        layer_kinds=kinds,
+        kv_heads=1,
+        head_dim=4,
+        page_size=P,
+        device_tokens=64,
+        dtype=torch.float32,
+        swa_window=8 if "swa" in kinds else None,
+        mamba=SPEC if "mamba" in kinds else None,
+        mamba_slots=8 if "mamba" in kinds else None,
+        host_ratio=4.0,
+        write_policy=policy,
+        **kw,
     )
     return TieredKVCache(cfg)
 
@@ -63,8 +71,14 @@ def books(cache: TieredKVCache) -> dict:
         "protected": list(t.protected),
         "counters": cache.counters.as_dict(),
         "requests": {
-            k: (r.computed_len, r.kv_slots.tolist(), r.cache_protected_len, r.swa_evicted_seqlen,
-                r.released, None if r.mamba_slot is None else int(r.mamba_slot))
+            k: (
+                r.computed_len,
+                r.kv_slots.tolist(),
+                r.cache_protected_len,
+                r.swa_evicted_seqlen,
+                r.released,
+                None if r.mamba_slot is None else int(r.mamba_slot),
+            )
             for k, r in cache.requests.items()
         },
     }
@@ -93,26 +107,40 @@ BAD_CALLS = [
     ("match-nested", lambda c, r, x: c.match([[1, 2], [3]]), TypeError, "token_ids"),
     ("match-bool-items", lambda c, r, x: c.match([True, False]), TypeError, "token_ids"),
     ("match-str-items", lambda c, r, x: c.match(["1", "2"]), TypeError, "token_ids"),
-    ("match-2d-tensor", lambda c, r, x: c.match(torch.ones(2, 3, dtype=torch.int64)),
-     TypeError, "token_ids"),
+    (
+        "match-2d-tensor",
+        lambda c, r, x: c.match(torch.ones(2, 3, dtype=torch.int64)),
+        TypeError,
+        "token_ids",
+    ),
     ("match-float-tensor", lambda c, r, x: c.match(torch.ones(4)), TypeError, "token_ids"),
-    ("match-bool-tensor", lambda c, r, x: c.match(torch.ones(4, dtype=torch.bool)),
-     TypeError, "token_ids"),
+    (
+        "match-bool-tensor",
+        lambda c, r, x: c.match(torch.ones(4, dtype=torch.bool)),
+        TypeError,
+        "token_ids",
+    ),
     ("match-float-array", lambda c, r, x: c.match(np.ones(4)), TypeError, "token_ids"),
-    ("match-2d-array", lambda c, r, x: c.match(np.ones((2, 2), dtype=np.int64)),
-     TypeError, "token_ids"),
+    (
+        "match-2d-array",
+        lambda c, r, x: c.match(np.ones((2, 2), dtype=np.int64)),
+        TypeError,
+        "token_ids",
+    ),
     ("match-empty", lambda c, r, x: c.match([]), ValueError, "token_ids"),
     ("match-negative", lambda c, r, x: c.match([1, -1, 2]), ValueError, "token_ids"),
     ("match-huge", lambda c, r, x: c.match([1, 2**63]), ValueError, "token_ids"),
     ("match-ns-list", lambda c, r, x: c.match([1, 2], namespace=["a"]), TypeError, "namespace"),
     ("match-ns-float", lambda c, r, x: c.match([1, 2], namespace=1.5), TypeError, "namespace"),
-    ("match-ns-object", lambda c, r, x: c.match([1, 2], namespace=Foreign()),
-     TypeError, "namespace"),
+    (
+        "match-ns-object",
+        lambda c, r, x: c.match([1, 2], namespace=Foreign()),
+        TypeError,
+        "namespace",
+    ),
     ("match-ns-set", lambda c, r, x: c.match([1, 2], namespace={"a"}), TypeError, "namespace"),
-    ("match-priority-str", lambda c, r, x: c.match([1, 2], priority="high"),
-     TypeError, "priority"),
-    ("match-priority-float", lambda c, r, x: c.match([1, 2], priority=1.5),
-     TypeError, "priority"),
+    ("match-priority-str", lambda c, r, x: c.match([1, 2], priority="high"), TypeError, "priority"),
+    ("match-priority-float", lambda c, r, x: c.match([1, 2], priority=1.5), TypeError, "priority"),
     ("prefetch-str", lambda c, r, x: c.prefetch("abc"), TypeError, "token_ids"),
     ("abort-prefetch-none", lambda c, r, x: c.abort_prefetch(None), TypeError, "prefetch"),
     ("reserve-negative", lambda c, r, x: c.reserve(r, -4), ValueError, "total_tokens"),
@@ -145,11 +173,18 @@ BAD_CALLS = [
     ("finish-foreign", lambda c, r, x: c.cache_finished_req(x["foreign"]), ValueError, "req"),
     ("finish-aborted", lambda c, r, x: c.cache_finished_req(x["aborted"]), ValueError, "aborted"),
     ("finish-twice", lambda c, r, x: c.cache_finished_req(x["finished"]), ValueError, "finished"),
-    ("finish-short-token-ids", lambda c, r, x: (setattr(r, "token_ids", r.token_ids[:5]),
-                                                c.cache_finished_req(r)),
-     ValueError, "token_ids"),
-    ("unfinished-finished", lambda c, r, x: c.cache_unfinished_req(x["finished"]),
-     ValueError, "finished"),
+    (
+        "finish-short-token-ids",
+        lambda c, r, x: (setattr(r, "token_ids", r.token_ids[:5]), c.cache_finished_req(r)),
+        ValueError,
+        "token_ids",
+    ),
+    (
+        "unfinished-finished",
+        lambda c, r, x: c.cache_unfinished_req(x["finished"]),
+        ValueError,
+        "finished",
+    ),
     ("abort-twice", lambda c, r, x: c.abort(x["aborted"]), ValueError, "aborted"),
     ("abort-foreign", lambda c, r, x: c.abort(x["foreign"]), ValueError, "req"),
     ("abort-not-a-request", lambda c, r, x: c.abort("req-1"), TypeError, "req"),
@@ -195,8 +230,15 @@ def test_refused_call_leaves_books_unchanged(name, call, exc, pattern, other_cac
 
 @pytest.mark.parametrize(
     "convert",
-    [list, tuple, torch.tensor, lambda t: torch.tensor(t, dtype=torch.int32), np.array,
-     lambda t: np.array(t, dtype=np.uint16), lambda t: [np.int64(x) for x in t]],
+    [
+        list,
+        tuple,
+        torch.tensor,
+        lambda t: torch.tensor(t, dtype=torch.int32),
+        np.array,
+        lambda t: np.array(t, dtype=np.uint16),
+        lambda t: [np.int64(x) for x in t],
+    ],
     ids=["list", "tuple", "tensor", "int32-tensor", "array", "uint16-array", "numpy-ints"],
 )
 def test_match_accepts_integer_tensors_and_arrays_as_lists(convert):

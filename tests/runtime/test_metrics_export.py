@@ -12,8 +12,15 @@ P = 4
 
 
 def served_cache() -> TieredKVCache:
-    cfg = CacheConfig(layer_kinds=("full",), kv_heads=1, head_dim=4, page_size=P,
-                      device_tokens=32, dtype=torch.float32, host_ratio=4.0)
+    cfg = CacheConfig(
+        layer_kinds=("full",),
+        kv_heads=1,
+        head_dim=4,
+        page_size=P,
+        device_tokens=32,
+        dtype=torch.float32,
+        host_ratio=4.0,
+    )
     cache = TieredKVCache(cfg)
     for _ in range(2):
         req = cache.match(list(range(1, 14)))
@@ -45,11 +52,13 @@ def test_collector_joins_a_prometheus_client_registry():
     registry = prometheus_client.CollectorRegistry()
     registry.register(cache.metrics_collector())
     assert registry.get_sample_value("kvtier_requests_total") == 2
-    assert registry.get_sample_value("kvtier_copies_total", {"direction": "d2h"}) == (
-        cache.metrics()["backups"]
+    assert (
+        registry.get_sample_value("kvtier_copies_total", {"direction": "d2h"})
+        == (cache.metrics()["backups"])
     )
-    assert registry.get_sample_value(
-        "kvtier_hit_tokens_total", {"tier": "device"}
-    ) == cache.metrics()["tier.hit_tokens.device"]
+    assert (
+        registry.get_sample_value("kvtier_hit_tokens_total", {"tier": "device"})
+        == cache.metrics()["tier.hit_tokens.device"]
+    )
     text = prometheus_client.generate_latest(registry).decode()
     assert "kvtier_evicted_tokens_total" in text

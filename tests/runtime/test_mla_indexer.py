@@ -26,7 +26,7 @@ def test_device_then_host_hits_are_exact(policy, layout):
         run_turn(cache, c)
     second = run_turn(cache, convs[0] + [7, 7, 7] + [1, 2, 3, 4, 5])
     assert second.device_hit == 12 and second.host_hit == 0, second
-    for i in range(6):  # flood the device so the first conversations leave it
+    for _ in range(6):  # flood the device so the first conversations leave it
         run_turn(cache, torch.randint(50, 99, (16,), generator=gen).tolist())
     cache.drain()
     cache.evict(cache.config.device_tokens)

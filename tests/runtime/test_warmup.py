@@ -18,9 +18,19 @@ SPEC = MambaStateSpec(temporal_shape=(2, 8), conv_shapes=((8, 3),), conv_dtypes=
 
 def make_cache(device, **kw) -> TieredKVCache:
     cfg = CacheConfig(
-        layer_kinds=("full", "swa", "mamba", "full"), kv_heads=2, head_dim=8, page_size=P,
-        device_tokens=256, dtype=torch.bfloat16, swa_window=32, swa_tokens=128, mamba=SPEC,
-        mamba_slots=8, host_ratio=2.0, device=str(device), **kw,
+        layer_kinds=("full", "swa", "mamba", "full"),
+        kv_heads=2,
+        head_dim=8,
+        page_size=P,
+        device_tokens=256,
+        dtype=torch.bfloat16,
+        swa_window=32,
+        swa_tokens=128,
+        mamba=SPEC,
+        mamba_slots=8,
+        host_ratio=2.0,
+        device=str(device),
+        **kw,
     )
     return TieredKVCache(cfg)
 
@@ -37,8 +47,13 @@ def all_bytes(cache: TieredKVCache) -> list[torch.Tensor]:
 
 def test_warmup_moves_no_byte(device):
     cache = make_cache(device)
-    for t in [cache.full_pool.k_buffer, cache.full_pool.v_buffer, cache.swa_pool.k_buffer,
-              cache.swa_pool.v_buffer, *cache.mamba_pool.tensors]:
+    for t in [
+        cache.full_pool.k_buffer,
+        cache.full_pool.v_buffer,
+        cache.swa_pool.k_buffer,
+        cache.swa_pool.v_buffer,
+        *cache.mamba_pool.tensors,
+    ]:
         t.view(torch.uint8).random_(0, 256, generator=torch.Generator(t.device).manual_seed(1))
     for h in (cache.host_full, cache.host_swa, cache.host_mamba):
         h.tensor.view(torch.uint8).fill_(0xA5)

@@ -47,7 +47,9 @@ def start_master(log_dir: Path) -> Master:
     """Start ``mooncake_master`` with every listener on 127.0.0.1; wait (bounded) until it accepts."""
     binary = shutil.which("mooncake_master")
     if binary is None:
-        _unavailable("mooncake_master is not on PATH (pip install mooncake-transfer-engine-non-cuda)")
+        _unavailable(
+            "mooncake_master is not on PATH (pip install mooncake-transfer-engine-non-cuda)"
+        )
     ifaces = sorted(name for _, name in socket.if_nameindex())
     if ifaces != ["lo"]:
         _unavailable(
@@ -72,15 +74,19 @@ def start_master(log_dir: Path) -> Master:
     deadline = time.monotonic() + MASTER_START_TIMEOUT_S
     while True:
         if proc.poll() is not None:
-            pytest.fail(f"mooncake_master exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            pytest.fail(
+                f"mooncake_master exited with {proc.returncode}: {log_path.read_text()[-2000:]}"
+            )
         try:
             socket.create_connection(("127.0.0.1", rpc_port), timeout=0.2).close()
             return Master(f"127.0.0.1:{rpc_port}", proc)
         except OSError:
             if time.monotonic() > deadline:
                 proc.kill()
-                pytest.fail(f"mooncake_master did not listen on 127.0.0.1:{rpc_port} within "
-                            f"{MASTER_START_TIMEOUT_S} s: {log_path.read_text()[-2000:]}")
+                pytest.fail(
+                    f"mooncake_master did not listen on 127.0.0.1:{rpc_port} within "
+                    f"{MASTER_START_TIMEOUT_S} s: {log_path.read_text()[-2000:]}"
+                )
             time.sleep(0.02)
 
 
@@ -95,7 +101,9 @@ def mooncake_master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         import mooncake.store  # noqa: F401
     except ImportError as e:
-        _unavailable(f"cannot import mooncake.store ({e}); pip install mooncake-transfer-engine-non-cuda")
+        _unavailable(
+            f"cannot import mooncake.store ({e}); pip install mooncake-transfer-engine-non-cuda"
+        )
     master = start_master(tmp_path_factory.mktemp("mooncake"))
     yield master.address
     stop_master(master)
@@ -112,10 +120,17 @@ def segment_holder(mooncake_master: str, tmp_path_factory: pytest.TempPathFactor
     log_path = tmp_path_factory.mktemp("holder") / "mooncake_client.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [binary, f"--master_server_address={mooncake_master}", "--host=127.0.0.1",
-             f"--port={port}", "--metadata_server=P2PHANDSHAKE", "--protocol=tcp",
-             "--global_segment_size=64MB"],
-            stdout=log, stderr=subprocess.STDOUT,
+            [
+                binary,
+                f"--master_server_address={mooncake_master}",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                "--metadata_server=P2PHANDSHAKE",
+                "--protocol=tcp",
+                "--global_segment_size=64MB",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + MASTER_START_TIMEOUT_S
     while "Starting real client service" not in log_path.read_text():
@@ -145,7 +160,9 @@ def host_arena() -> torch.Tensor:
 
 @pytest.fixture(scope="session")
 def mooncake_backend(mooncake_master: str, host_arena: torch.Tensor) -> Iterator[StorageBackend]:
-    backend = create_backend("mooncake", master_address=mooncake_master, global_segment_size=64 << 20)
+    backend = create_backend(
+        "mooncake", master_address=mooncake_master, global_segment_size=64 << 20
+    )
     backend.register_host_buffer(host_arena)
     yield backend
     backend.close()

@@ -40,12 +40,22 @@ def test_multi_pool_round_trip(backend: StorageBackend, make_pages) -> None:
     h = hashes(6)
     kv, swa, mamba = make_pages(6, PAGE), make_pages(2, 1024), make_pages(1, 8192)
     ref = fill(kv, 1), fill(swa, 2), fill(mamba, 3)
-    res = backend.set([PoolTransfer("kv", h, kv), PoolTransfer("swa", h[4:], swa),
-                       PoolTransfer("mamba", h[5:], mamba)])
+    res = backend.set(
+        [
+            PoolTransfer("kv", h, kv),
+            PoolTransfer("swa", h[4:], swa),
+            PoolTransfer("mamba", h[5:], mamba),
+        ]
+    )
     assert res.all_ok, res
     out = make_pages(6, PAGE), make_pages(2, 1024), make_pages(1, 8192)
-    res = backend.get([PoolTransfer("kv", h, out[0]), PoolTransfer("swa", h[4:], out[1]),
-                       PoolTransfer("mamba", h[5:], out[2])])
+    res = backend.get(
+        [
+            PoolTransfer("kv", h, out[0]),
+            PoolTransfer("swa", h[4:], out[1]),
+            PoolTransfer("mamba", h[5:], out[2]),
+        ]
+    )
     assert res.ok == {"kv": [True] * 6, "swa": [True] * 2, "mamba": [True]}
     for name, got, want in zip(("kv", "swa", "mamba"), out, ref):
         assert first_mismatch(got, want) is None, f"{name} page {first_mismatch(got, want)} differs"
@@ -56,16 +66,28 @@ def test_multi_pool_round_trip(backend: StorageBackend, make_pages) -> None:
 def test_exists_under_policies(backend: StorageBackend, make_pages) -> None:
     h = hashes(8)
     # kv: pages 0..6 (7 missing); swa: 0, 1, 2, 4, 5; mamba: 2 and 5
-    backend.set([PoolTransfer("kv", h[:7], make_pages(7, 256)),
-                 PoolTransfer("swa", [h[i] for i in (0, 1, 2, 4, 5)], make_pages(5, 256)),
-                 PoolTransfer("mamba", [h[2], h[5]], make_pages(2, 256))])
+    backend.set(
+        [
+            PoolTransfer("kv", h[:7], make_pages(7, 256)),
+            PoolTransfer("swa", [h[i] for i in (0, 1, 2, 4, 5)], make_pages(5, 256)),
+            PoolTransfer("mamba", [h[2], h[5]], make_pages(2, 256)),
+        ]
+    )
     kv = PoolTransfer("kv", h)
     assert backend.exists([kv]) == 7
     assert backend.exists([kv, PoolTransfer("mamba", h, policy=TRAILING_PAGES(1))]) == 6
     assert backend.exists([kv, PoolTransfer("swa", h, policy=TRAILING_PAGES(2))]) == 6
     assert backend.exists([kv, PoolTransfer("swa", h, policy=TRAILING_PAGES(3))]) == 3
-    assert backend.exists([kv, PoolTransfer("swa", h, policy=TRAILING_PAGES(2)),
-                           PoolTransfer("mamba", h, policy=TRAILING_PAGES(1))]) == 6
+    assert (
+        backend.exists(
+            [
+                kv,
+                PoolTransfer("swa", h, policy=TRAILING_PAGES(2)),
+                PoolTransfer("mamba", h, policy=TRAILING_PAGES(1)),
+            ]
+        )
+        == 6
+    )
     assert backend.exists([kv, PoolTransfer("swa", h, policy=ALL_PAGES)]) == 3
     assert backend.exists([kv, PoolTransfer("mamba", h, policy=ALL_PAGES)]) == 0
     assert backend.exists([PoolTransfer("kv", hashes(8, seed=9))]) == 0
@@ -77,7 +99,9 @@ def test_per_page_success_with_holes(backend: StorageBackend, make_pages) -> Non
     src = make_pages(5, PAGE)
     ref = fill(src, 4)
     stored = [0, 1, 3]
-    assert backend.set([PoolTransfer("kv", [h[i] for i in stored], [src[i] for i in stored])]).all_ok
+    assert backend.set(
+        [PoolTransfer("kv", [h[i] for i in stored], [src[i] for i in stored])]
+    ).all_ok
     out = make_pages(5, PAGE)
     res = backend.get([PoolTransfer("kv", h, out)])
     assert res.ok["kv"] == [True, True, False, True, False]
@@ -141,8 +165,12 @@ def test_misuse_raises(backend: StorageBackend, make_pages) -> None:
     with pytest.raises(ValueError, match="2 keys but 1 page"):
         backend.set([PoolTransfer("kv", h, make_pages(1, 256))])
     with pytest.raises(ValueError, match="one transfer per pool"):
-        backend.get([PoolTransfer("kv", h[:1], make_pages(1, 256)),
-                     PoolTransfer("kv", h[1:], make_pages(1, 256))])
+        backend.get(
+            [
+                PoolTransfer("kv", h[:1], make_pages(1, 256)),
+                PoolTransfer("kv", h[1:], make_pages(1, 256)),
+            ]
+        )
     with pytest.raises(ValueError, match="uint8"):
         backend.get([PoolTransfer("kv", h[:1], [torch.zeros(64, dtype=torch.float32)])])
     with pytest.raises(ValueError, match="same page count"):
@@ -168,11 +196,15 @@ def test_concurrent_backup_and_prefetch(backend: StorageBackend, make_pages) -> 
     def reader(out: list[torch.Tensor]) -> None:
         for _ in range(rounds):
             got = backend.get([PoolTransfer("kv", h, out)]).ok["kv"]
-            errors.extend(f"page {i} served wrong bytes" for i, ok in enumerate(got)
-                          if ok and not torch.equal(out[i], ref[i]))
+            errors.extend(
+                f"page {i} served wrong bytes"
+                for i, ok in enumerate(got)
+                if ok and not torch.equal(out[i], ref[i])
+            )
 
-    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(o,))
-                                                   for o in outs]
+    threads = [threading.Thread(target=writer)] + [
+        threading.Thread(target=reader, args=(o,)) for o in outs
+    ]
     for t in threads:
         t.start()
     for t in threads:

@@ -57,8 +57,9 @@ def test_corrupted_object_is_a_counted_miss(mooncake_backend: StorageBackend, ma
 def test_master_killed_mid_operation(fresh_master) -> None:
     """Calls in flight and after the kill report per-page failures in bounded time, never raise."""
     master = fresh_master
-    backend = create_backend("mooncake", master_address=master.address,
-                             global_segment_size=32 << 20)
+    backend = create_backend(
+        "mooncake", master_address=master.address, global_segment_size=32 << 20
+    )
     try:
         n = 64
         pool = torch.zeros(n * 65536, dtype=torch.uint8)
@@ -104,7 +105,9 @@ def test_master_killed_mid_operation(fresh_master) -> None:
         assert time.monotonic() - start < 3, "close must not wait on a dead master"
 
 
-def test_objects_outlive_the_writer_process(segment_holder: str, mooncake_backend, make_pages) -> None:
+def test_objects_outlive_the_writer_process(
+    segment_holder: str, mooncake_backend, make_pages
+) -> None:
     """A writer lending no memory (segment 0) stores into the standalone client's segment, so a
     reader finds the pages after the writer has exited."""
     code = (
@@ -117,8 +120,9 @@ def test_objects_outlive_the_writer_process(segment_holder: str, mooncake_backen
         "assert b.set([PoolTransfer('kv', h, list(pool.view(4, 1024).unbind(0)))]).all_ok\n"
         "b.close()\n"
     )
-    subprocess.run([sys.executable, "-c", code, segment_holder], check=True, timeout=60,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", code, segment_holder], check=True, timeout=60, capture_output=True
+    )
     out = make_pages(4, 1024)
     h = page_hashes(range(16), NS)
     assert mooncake_backend.get([PoolTransfer("kv", h, out)]).all_ok

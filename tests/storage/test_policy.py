@@ -31,14 +31,25 @@ def naive(present: list[list[bool]], policies: list[HitPolicy]) -> int:
         ([[F, T, T, T, T]], [TRAILING_PAGES(2)], 5),
         ([[T, T, T, T], [F, F, T, F]], [ALL_PAGES, TRAILING_PAGES(1)], 3),
         ([[T, T, T, T], [T, T, F, T]], [ALL_PAGES, TRAILING_PAGES(2)], 2),
-        ([[T] * 6, [F, T, T, T, F, T], [T, F, T, F, T, F]],
-         [ALL_PAGES, TRAILING_PAGES(2), TRAILING_PAGES(1)], 3),
+        (
+            [[T] * 6, [F, T, T, T, F, T], [T, F, T, F, T, F]],
+            [ALL_PAGES, TRAILING_PAGES(2), TRAILING_PAGES(1)],
+            3,
+        ),
         ([[T, T], [F, F]], [ALL_PAGES, TRAILING_PAGES(1)], 0),
         ([[]], [ALL_PAGES], 0),
         ([], [], 0),
     ],
-    ids=["kv-hole", "swa-window", "mamba-last", "swa-window-moves", "two-trailing-fixed-point",
-         "no-state", "empty", "no-pools"],
+    ids=[
+        "kv-hole",
+        "swa-window",
+        "mamba-last",
+        "swa-window-moves",
+        "two-trailing-fixed-point",
+        "no-state",
+        "empty",
+        "no-pools",
+    ],
 )
 def test_cases(present: list[list[bool]], policies: list[HitPolicy], want: int) -> None:
     assert usable_prefix(present, policies) == want
@@ -49,9 +60,15 @@ def test_random_against_naive() -> None:
     for trial in range(2000):
         n = rng.randint(0, 12)
         pools = rng.randint(1, 4)
-        policies = [rng.choice([ALL_PAGES, TRAILING_PAGES(rng.randint(1, 4))]) for _ in range(pools)]
+        policies = [
+            rng.choice([ALL_PAGES, TRAILING_PAGES(rng.randint(1, 4))]) for _ in range(pools)
+        ]
         present = [[rng.random() < 0.8 for _ in range(n)] for _ in range(pools)]
-        assert usable_prefix(present, policies) == naive(present, policies), (trial, present, policies)
+        assert usable_prefix(present, policies) == naive(present, policies), (
+            trial,
+            present,
+            policies,
+        )
 
 
 def test_policy_validates_and_reads_well() -> None:

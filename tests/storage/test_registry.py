@@ -14,12 +14,27 @@ from kvtier.storage import StorageBackend, available_backends, create_backend, r
 
 
 def test_public_api_is_pinned() -> None:
-    assert sorted(storage.__all__) == sorted([
-        "ALL_PAGES", "BatchResult", "Direction", "HitPolicy", "KeyScope", "Namespace",
-        "PoolTransfer", "PrefetchOutcome", "StorageBackend", "StorageMetrics", "TRAILING_PAGES",
-        "Tier", "available_backends", "create_backend", "page_hashes", "register_backend",
-        "usable_prefix",
-    ])
+    assert sorted(storage.__all__) == sorted(
+        [
+            "ALL_PAGES",
+            "BatchResult",
+            "Direction",
+            "HitPolicy",
+            "KeyScope",
+            "Namespace",
+            "PoolTransfer",
+            "PrefetchOutcome",
+            "StorageBackend",
+            "StorageMetrics",
+            "TRAILING_PAGES",
+            "Tier",
+            "available_backends",
+            "create_backend",
+            "page_hashes",
+            "register_backend",
+            "usable_prefix",
+        ]
+    )
 
 
 def test_builtin_backends_are_lazy(tmp_path: Path) -> None:
@@ -29,8 +44,9 @@ def test_builtin_backends_are_lazy(tmp_path: Path) -> None:
         f"s.create_backend('file', root={str(tmp_path)!r})\n"
         "print(sorted(m for m in sys.modules if 'mooncake' in m))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert out.stdout.strip() == "[]", "choosing the file backend must not import Mooncake"
 
 

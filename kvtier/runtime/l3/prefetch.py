@@ -220,7 +220,9 @@ class PrefetchWorkers:
                 # The indexer is per page like KV: it follows each batch once that batch's KV
                 # pages arrived, so a partial prefetch still hands over whole pages.
                 ok = self._read_pages(op, "indexer", slots[: ok * P], hashes[:ok])
-            with op.mutex:  # pages [0, completed) are in place before they are counted (SGLang #8901)
+            with (
+                op.mutex
+            ):  # pages [0, completed) are in place before they are counted (SGLang #8901)
                 op.completed_pages = i + ok
             if ok < j - i:
                 return

@@ -293,12 +293,14 @@ class L3Tier:
             with op.mutex:
                 snap = (op.completed_pages, op.swa_hit, op.mamba_hit)
             load_votes.append(LoadVote(self._can_terminate(op), *snap))
-        return encode(Votes(
-            _ready(self._backups, lambda j: j.done.is_set()),
-            _ready(self._draining, lambda op: op.io_done.is_set()),
-            query_votes,
-            load_votes,
-        ))
+        return encode(
+            Votes(
+                _ready(self._backups, lambda j: j.done.is_set()),
+                _ready(self._draining, lambda op: op.io_done.is_set()),
+                query_votes,
+                load_votes,
+            )
+        )
 
     def apply(self, v: torch.Tensor) -> None:
         """Act on the agreed vector: the same decisions on every rank."""
@@ -432,7 +434,9 @@ class L3Tier:
         op.reason = reason
         self.counters[f"prefetch_revoked_{reason.value}"] += 1
         outcome = (
-            PrefetchOutcome.TIMED_OUT if reason is RevokeReason.TIMED_OUT else PrefetchOutcome.REVOKED
+            PrefetchOutcome.TIMED_OUT
+            if reason is RevokeReason.TIMED_OUT
+            else PrefetchOutcome.REVOKED
         )
         self._end(op, outcome)
 

@@ -18,7 +18,16 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["LOAD_SLOTS", "QUERY_SLOTS", "VECTOR_LEN", "LoadVote", "QueryVote", "Votes", "decode", "encode"]
+__all__ = [
+    "LOAD_SLOTS",
+    "QUERY_SLOTS",
+    "VECTOR_LEN",
+    "LoadVote",
+    "QueryVote",
+    "Votes",
+    "decode",
+    "encode",
+]
 
 QUERY_SLOTS = 4
 LOAD_SLOTS = 4

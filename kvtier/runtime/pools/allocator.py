@@ -177,9 +177,7 @@ class PageAllocator:
         """Page ids in range, before any array is indexed with them (negative ids would wrap)."""
         if pages.size and (pages.min() < 0 or pages.max() >= self.num_pages):
             bad = int(pages[(pages < 0) | (pages >= self.num_pages)][0])
-            raise ValueError(
-                f"{self.name}: {arg} reach page {bad}, outside [0, {self.num_pages})"
-            )
+            raise ValueError(f"{self.name}: {arg} reach page {bad}, outside [0, {self.num_pages})")
         return pages
 
     def clear(self) -> None:

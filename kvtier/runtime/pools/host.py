@@ -218,8 +218,14 @@ class HostPool:
         """
         flat = self.flat_buffer(staging, arg="staging")
         with self._host_copy_stream():
-            pack_pages(self._as_slot_buffers(), flat, self._on_kernel_device(pages),
-                       knobs=self.knobs, check=check, impl=impl)
+            pack_pages(
+                self._as_slot_buffers(),
+                flat,
+                self._on_kernel_device(pages),
+                knobs=self.knobs,
+                check=check,
+                impl=impl,
+            )
         return staging[: pages.numel()]
 
     def unpack(
@@ -236,8 +242,14 @@ class HostPool:
         """
         flat = self.flat_buffer(staging, arg="staging")
         with self._host_copy_stream():
-            unpack_pages(flat, self._as_slot_buffers(), self._on_kernel_device(pages),
-                         knobs=self.knobs, check=check, impl=impl)
+            unpack_pages(
+                flat,
+                self._as_slot_buffers(),
+                self._on_kernel_device(pages),
+                knobs=self.knobs,
+                check=check,
+                impl=impl,
+            )
 
     def _on_kernel_device(self, pages: torch.Tensor) -> torch.Tensor:
         return pages.to(self.device_pool.device, non_blocking=False)

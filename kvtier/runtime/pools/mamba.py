@@ -252,30 +252,57 @@ class MambaHostPool:
             out.append(self.tensor[s])
         return out
 
-    def backup(self, device_slots: torch.Tensor, host_slots: torch.Tensor, *,
-               layer: int | None = None, check: bool | None = None, impl: Impl = "auto") -> str:
+    def backup(
+        self,
+        device_slots: torch.Tensor,
+        host_slots: torch.Tensor,
+        *,
+        layer: int | None = None,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
         """Device → host of whole slot states (one launch per state component)."""
         return self._copy(self.buffers, device_slots, host_slots, True, layer, check, impl)
 
-    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor, *,
-             layer: int | None = None, check: bool | None = None, impl: Impl = "auto") -> str:
+    def load(
+        self,
+        host_slots: torch.Tensor,
+        device_slots: torch.Tensor,
+        *,
+        layer: int | None = None,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
         """Host → device of slot states (all layers, or one layer for layer-wise load-back)."""
         return self._copy(self.buffers, device_slots, host_slots, False, layer, check, impl)
 
-    def device_to_flat(self, device_slots: torch.Tensor, flat: torch.Tensor, *,
-                       check: bool | None = None, impl: Impl = "auto") -> str:
+    def device_to_flat(
+        self,
+        device_slots: torch.Tensor,
+        flat: torch.Tensor,
+        *,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
         """Fused D→flat: slot ``device_slots[i]`` into row ``i`` of ``flat`` ``[n, slot_bytes]``."""
         return self._copy_flat(flat, device_slots, True, check, impl)
 
-    def flat_to_device(self, flat: torch.Tensor, device_slots: torch.Tensor, *,
-                       check: bool | None = None, impl: Impl = "auto") -> str:
+    def flat_to_device(
+        self,
+        flat: torch.Tensor,
+        device_slots: torch.Tensor,
+        *,
+        check: bool | None = None,
+        impl: Impl = "auto",
+    ) -> str:
         """Fused flat→D: row ``i`` of ``flat`` into slot ``device_slots[i]``."""
         return self._copy_flat(flat, device_slots, False, check, impl)
 
     def _copy_flat(self, flat, device_slots, d2h, check, impl) -> str:
         rows = torch.arange(device_slots.numel(), dtype=torch.int64, device=device_slots.device)
-        return self._copy(slot_buffers(flat, self.device_pool), device_slots, rows, d2h, None,
-                          check, impl)
+        return self._copy(
+            slot_buffers(flat, self.device_pool), device_slots, rows, d2h, None, check, impl
+        )
 
     def _copy(self, bufs, dev_slots, flat_slots, d2h, layer, check, impl) -> str:
         """One launch per state component between device slots and rows of ``bufs``."""
@@ -285,9 +312,25 @@ class MambaHostPool:
         path = "torch"
         for comp, buf in zip(pool.components, bufs, strict=True):
             if d2h:
-                path = copy_device_to_host(comp, buf, dev_slots, flat_slots, layer=layer,
-                                           knobs=self.knobs, check=check, impl=impl)
+                path = copy_device_to_host(
+                    comp,
+                    buf,
+                    dev_slots,
+                    flat_slots,
+                    layer=layer,
+                    knobs=self.knobs,
+                    check=check,
+                    impl=impl,
+                )
             else:
-                path = copy_host_to_device(buf, comp, flat_slots, dev_slots, layer=layer,
-                                           knobs=self.knobs, check=check, impl=impl)
+                path = copy_host_to_device(
+                    buf,
+                    comp,
+                    flat_slots,
+                    dev_slots,
+                    layer=layer,
+                    knobs=self.knobs,
+                    check=check,
+                    impl=impl,
+                )
         return path

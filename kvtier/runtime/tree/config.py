@@ -107,7 +107,11 @@ def build_tree(
         backup_continuity=cfg.backup_continuity,
     )
     tree.attach_parts(
-        Matcher(tree), Pins(tree), Eviction(tree), HostTier(tree), RequestCache(tree),
+        Matcher(tree),
+        Pins(tree),
+        Eviction(tree),
+        HostTier(tree),
+        RequestCache(tree),
         Integrity(tree),
     )
     return tree

@@ -58,18 +58,16 @@ class Eviction:
                 self._evict_aux_device(self.tree.mamba, mamba, freed)
         return self._evict_result(freed)
 
-    def evict_host(
-        self, full: int = 0, swa: int = 0, mamba: int = 0
-    ) -> EvictResult:
+    def evict_host(self, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
         """Free at least the requested host amounts where unpinned host data allows."""
         freed = [0] * len(self.tree.components)
-        with self.tree.full.host_alloc.batched_free() if self.tree.full.host_alloc else nullcontext():
+        with (
+            self.tree.full.host_alloc.batched_free() if self.tree.full.host_alloc else nullcontext()
+        ):
             self._evict_host_tiers(full, swa, mamba, freed)
         return self._evict_result(freed)
 
-    def _evict_host_tiers(
-        self, full: int, swa: int, mamba: int, freed: list[int]
-    ) -> None:
+    def _evict_host_tiers(self, full: int, swa: int, mamba: int, freed: list[int]) -> None:
         if full > 0:
             self._evict_full_host(full, freed)
         if swa > 0 and self.tree.swa is not None:
@@ -119,9 +117,7 @@ class Eviction:
             self.tree._detach(node)
         return True
 
-    def _evict_aux_device(
-        self, comp: TreeComponent, target: int, freed: list[int]
-    ) -> None:
+    def _evict_aux_device(self, comp: TreeComponent, target: int, freed: list[int]) -> None:
         s = comp.slot
         for node in list(comp.device_lru.values()):
             if freed[s] >= target:
@@ -132,9 +128,7 @@ class Eviction:
                 continue
             self._tombstone(node, comp, freed, host=False)
 
-    def _tombstone(
-        self, node: TreeNode, comp: TreeComponent, freed: list[int], host: bool
-    ) -> None:
+    def _tombstone(self, node: TreeNode, comp: TreeComponent, freed: list[int], host: bool) -> None:
         """Drop ``comp``'s data on one tier of ``node`` and cascade to lower-priority components."""
         victims = []
         for other in self.tree.aux:
@@ -176,9 +170,7 @@ class Eviction:
                 freed[comp.slot] += self.tree.clear_host(node, comp.slot)
         self.tree._detach(node)
 
-    def _evict_aux_host(
-        self, comp: TreeComponent, target: int, freed: list[int]
-    ) -> None:
+    def _evict_aux_host(self, comp: TreeComponent, target: int, freed: list[int]) -> None:
         s = comp.slot
         for node in list(comp.host_lru.values()):
             if freed[s] >= target:

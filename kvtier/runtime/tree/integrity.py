@@ -69,7 +69,10 @@ class Integrity:
         if self.tree.swa is not None:
             self._check_swa_translation(nodes[1:])
         for slot, comp in enumerate(self.tree.components):
-            if (evictable[slot], protected[slot]) != (self.tree.evictable[slot], self.tree.protected[slot]):
+            if (evictable[slot], protected[slot]) != (
+                self.tree.evictable[slot],
+                self.tree.protected[slot],
+            ):
                 _fail(
                     f"{comp.name}: evictable/protected books {self.tree.evictable[slot]}/"
                     f"{self.tree.protected[slot]} != recount {evictable[slot]}/{protected[slot]}"
@@ -98,7 +101,10 @@ class Integrity:
         host_owned: list[list[torch.Tensor]],
     ) -> None:
         parent, P = node.parent, self.tree.page_size
-        if not node.attached or parent.children.get(self.tree._child_key(node, node.key)) is not node:
+        if (
+            not node.attached
+            or parent.children.get(self.tree._child_key(node, node.key)) is not node
+        ):
             _fail(f"{node}: not linked from its parent {parent}")
         if not node.key or len(node.key) % P:
             _fail(f"{node}: key length {len(node.key)} is not a positive multiple of P={P}")

@@ -25,7 +25,6 @@ class Pins:
     def __init__(self, tree: UnifiedRadixTree) -> None:
         self.tree = tree
 
-
     def pin(self, node: TreeNode) -> PinHandle:
         """Pin ``node`` against device eviction; pass the handle back to ``unlock``.
 
@@ -119,7 +118,6 @@ class Pins:
                 else:
                     self.dec_host_pin(x, s)
             x = x.parent
-
 
     def inc_host_pin(self, node: TreeNode, slot: int) -> None:
         node.host_pins[slot] += 1

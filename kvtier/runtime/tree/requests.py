@@ -157,9 +157,7 @@ class RequestCache:
         req.cache_protected_len = res.cached_len
         return copy
 
-    def free_out_of_window(
-        self, req: CacheRequest, seqlen: int | None = None
-    ) -> int:
+    def free_out_of_window(self, req: CacheRequest, seqlen: int | None = None) -> int:
         """Free the request's own SWA slots that no later position can read; advances
         ``swa_evicted_seqlen``. Returns SWA tokens freed.
 

@@ -98,10 +98,14 @@ class HostTier:
         while x.parent is not None:
             near = x is node or covered < reach
             unbacked = x.host_value[0] is None
-            if unbacked or (near and any(
-                x.value[c.slot] is not None and x.host_value[c.slot] is None
-                for c in self.tree.aux if c.host_alloc is not None
-            )):
+            if unbacked or (
+                near
+                and any(
+                    x.value[c.slot] is not None and x.host_value[c.slot] is None
+                    for c in self.tree.aux
+                    if c.host_alloc is not None
+                )
+            ):
                 chain.append(x)
             elif not near:
                 break
@@ -265,8 +269,9 @@ class HostTier:
             if comp is None or comp is self.tree.mamba or comp.host_alloc is None:
                 raise ValueError(f"host_slots_per_pool: {name!r} is not a per-token host pool")
             if slots.numel() != total:
-                raise ValueError(f"host_slots_per_pool[{name!r}]: {slots.numel()} slots for "
-                                 f"{total} tokens")
+                raise ValueError(
+                    f"host_slots_per_pool[{name!r}]: {slots.numel()} slots for {total} tokens"
+                )
         if page_hashes is not None and len(page_hashes) != total // P:
             raise ValueError(f"page_hashes: {len(page_hashes)} hashes for {total // P} pages")
         node, pos = anchor, 0

@@ -122,7 +122,10 @@ class UnifiedRadixTree:
         """The parts that act on this tree's books (``build_tree`` builds and attaches them)."""
         self.matcher, self.pins = matcher, pins
         self.eviction, self.host_tier, self.requests, self.integrity = (
-            eviction, host_tier, requests, integrity
+            eviction,
+            host_tier,
+            requests,
+            integrity,
         )
 
     def alloc_or_evict(self, comp: TreeComponent, n: int) -> torch.Tensor | None:
@@ -433,7 +436,11 @@ class UnifiedRadixTree:
     # -- the parts' calls ----------------------------------------------------------------------
 
     def match_prefix(
-        self, token_ids, namespace: Hashable = None, *, read_only: bool = False,
+        self,
+        token_ids,
+        namespace: Hashable = None,
+        *,
+        read_only: bool = False,
         cow_mamba: bool = False,
     ) -> MatchResult:
         """See ``Matcher.match_prefix``."""
@@ -503,8 +510,9 @@ class UnifiedRadixTree:
 
     def graft_host(self, anchor, tokens, host_slots_per_pool, page_hashes, namespace):
         """See ``HostTier.graft_host``."""
-        return self.host_tier.graft_host(anchor, tokens, host_slots_per_pool, page_hashes,
-                                         namespace)
+        return self.host_tier.graft_host(
+            anchor, tokens, host_slots_per_pool, page_hashes, namespace
+        )
 
     def graft_swa_window(self, anchor, end, swa_slots, swa_pages) -> torch.Tensor:
         """See ``HostTier.graft_swa_window``."""

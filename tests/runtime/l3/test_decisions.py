@@ -28,7 +28,9 @@ def test_slow_storage_is_declined_and_fast_storage_is_loaded(tmp_path):
     producer.close()
 
     # Prefill at 10^12 tokens/s beats any storage read: the hit is declined and recomputed.
-    fast_prefill = make_l3_cache("full", backend, prefill_tokens_per_s=1e12, assumed_storage_gbps=1.0)
+    fast_prefill = make_l3_cache(
+        "full", backend, prefill_tokens_per_s=1e12, assumed_storage_gbps=1.0
+    )
     pf, req = prefetch_and_run(fast_prefill, second_turn(convs[0]))
     assert pf.outcome is PrefetchOutcome.REVOKED and pf.reason == "declined", pf
     assert req.cached_len == 0, "a declined hit is recomputed"
@@ -37,7 +39,9 @@ def test_slow_storage_is_declined_and_fast_storage_is_loaded(tmp_path):
     fast_prefill.close()
 
     # Prefill at 1 token/s: loading wins, the pages come back and are reused exactly.
-    slow_prefill = make_l3_cache("full", backend, prefill_tokens_per_s=1.0, assumed_storage_gbps=1.0)
+    slow_prefill = make_l3_cache(
+        "full", backend, prefill_tokens_per_s=1.0, assumed_storage_gbps=1.0
+    )
     pf, req = prefetch_and_run(slow_prefill, second_turn(convs[1]))
     assert pf.outcome is PrefetchOutcome.COMPLETE, pf
     assert req.host_hit == PROMPT_TOKENS

@@ -49,7 +49,9 @@ def _producer(kind: str, where: str, models: list[str]) -> None:
 
 
 def _run_producer(kind: str, where: str, models: list[str]) -> None:
-    proc = multiprocessing.get_context("spawn").Process(target=_producer, args=(kind, where, models))
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_producer, args=(kind, where, models)
+    )
     proc.start()
     proc.join(120)
     assert proc.exitcode == 0, f"producer process exited with {proc.exitcode}"
@@ -74,7 +76,7 @@ def test_producer_consumer_identical_bytes(l3_location):
             m = cache.metrics()
             assert m["tier.hit_tokens.storage"] == 3 * PROMPT_TOKENS, (model, m)
             assert m["tier.prefetch.complete"] == 3 and m["tier.bytes.storage.read"] > 0
-            assert "kvtier_hit_tokens_total{tier=\"storage\"} 60" in cache.prometheus()
+            assert 'kvtier_hit_tokens_total{tier="storage"} 60' in cache.prometheus()
             cache.close()
     finally:
         backend.close()
@@ -82,8 +84,12 @@ def test_producer_consumer_identical_bytes(l3_location):
 
 @pytest.mark.parametrize(
     "change",
-    [{"model_id": "another-checkpoint"}, {"namespace_key": "tenant-b"},
-     {"dtype": torch.float64}, {"page_size": 2 * P}],
+    [
+        {"model_id": "another-checkpoint"},
+        {"namespace_key": "tenant-b"},
+        {"dtype": torch.float64},
+        {"page_size": 2 * P},
+    ],
     ids=["model_id", "salt", "dtype", "page_size"],
 )
 def test_other_namespace_sees_nothing(tmp_path, change):

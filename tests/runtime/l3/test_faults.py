@@ -105,8 +105,13 @@ def test_corrupted_file_is_a_checksum_miss(stored, tmp_path):
 def test_hung_read_times_out_then_releases(stored):
     conv, backend = stored
     backend.mode = "hang"
-    cache = make_l3_cache("full+swa+mamba", backend, prefetch_policy="timeout",
-                          prefetch_timeout_base_s=0.3, prefetch_timeout_per_ki_token_s=0.0)
+    cache = make_l3_cache(
+        "full+swa+mamba",
+        backend,
+        prefetch_policy="timeout",
+        prefetch_timeout_base_s=0.3,
+        prefetch_timeout_per_ki_token_s=0.0,
+    )
     start = time.monotonic()
     pf, req = prefetch_and_run(cache, second_turn(conv))
     assert time.monotonic() - start < 3.0
@@ -161,8 +166,9 @@ def test_failed_backups_are_counted_not_acked(tmp_path):
 @pytest.mark.timeout(120)
 def test_mooncake_master_killed_mid_prefetch_and_backup(fresh_master):
     master = fresh_master
-    backend = create_backend("mooncake", master_address=master.address,
-                             global_segment_size=16 << 20)
+    backend = create_backend(
+        "mooncake", master_address=master.address, global_segment_size=16 << 20
+    )
     convs = conversations(21, n=2)
     producer = make_l3_cache("full+swa", backend, backup_retries=0)  # a dead put takes ~4 s
     produce(producer, convs[:1])

@@ -116,8 +116,9 @@ def test_partial_indexer_batch_counts_only_whole_pages(tmp_path, fault, victim):
 
     # The bad object was dropped, never served; the recompute's backup wrote it anew, so a fresh
     # consumer gets the whole prompt (and the generated page) back.
-    fresh = make_mla_l3_cache(FileBackend(FileBackendConfig(root=tmp_path), scope=REPLICATED),
-                              batch_pages=BATCH)
+    fresh = make_mla_l3_cache(
+        FileBackend(FileBackendConfig(root=tmp_path), scope=REPLICATED), batch_pages=BATCH
+    )
     pf, req = prefetch_and_run(fresh, second_turn(conv), run_turn)
     assert pf.outcome is PrefetchOutcome.COMPLETE and pf.loaded_tokens == PAGES * P + P, pf
     assert req.host_hit == PAGES * P + P, req

@@ -33,9 +33,19 @@ def make_cache(layout: str, backend) -> TieredKVCache:
     # Two pages per backend call: reads and writes span several staging batches.
     st = StorageConfig(prefetch_min_tokens=4, prefetch_policy="wait_complete", batch_pages=2)
     cfg = CacheConfig(
-        layer_kinds=MODELS["full+swa+mamba"], kv_heads=1, head_dim=4, page_size=P,
-        device_tokens=96, dtype=torch.float32, swa_window=8, mamba=SPEC, mamba_slots=8,
-        host_ratio=4.0, host_layout=layout, model_id="synthetic-layouts", storage=st,
+        layer_kinds=MODELS["full+swa+mamba"],
+        kv_heads=1,
+        head_dim=4,
+        page_size=P,
+        device_tokens=96,
+        dtype=torch.float32,
+        swa_window=8,
+        mamba=SPEC,
+        mamba_slots=8,
+        host_ratio=4.0,
+        host_layout=layout,
+        model_id="synthetic-layouts",
+        storage=st,
     )
     return TieredKVCache(cfg, storage_backend=backend)
 

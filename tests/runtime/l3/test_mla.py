@@ -32,8 +32,7 @@ REPLICATED = KeyScope(replicated=True)
 def _backend(kind: str, where: str):
     if kind in ("file", "file_per_page"):  # file_per_page: one file per object, for tests that
         return create_backend(kind, root=where, scope=REPLICATED)  # delete single objects
-    return create_backend("mooncake", master_address=where, global_segment_size=0,
-                          scope=REPLICATED)
+    return create_backend("mooncake", master_address=where, global_segment_size=0, scope=REPLICATED)
 
 
 def _producer(kind: str, where: str, layouts: list[str]) -> None:
@@ -82,7 +81,9 @@ def consume(backend, layout: str) -> TieredKVCache:
 def test_mla_indexer_producer_consumer(l3_location):
     kind, where = l3_location
     # On the file store, every host layout: layer_first packs the indexer through staging too.
-    layouts = ["page_first", "layer_first", "page_first_direct"] if kind == "file" else ["page_first"]
+    layouts = (
+        ["page_first", "layer_first", "page_first_direct"] if kind == "file" else ["page_first"]
+    )
     run_producer(kind, where, layouts)
     if kind == "file":
         pools = sorted({k.split(".", 1)[1] for k in _backend(kind, where).object_keys()})

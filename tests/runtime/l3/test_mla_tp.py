@@ -29,8 +29,13 @@ N_CONVS = 3
 
 
 def make_cache(root: str, group) -> TieredKVCache:
-    st = StorageConfig(backend="file", backend_config={"root": root}, prefetch_min_tokens=4,
-                       prefetch_policy="wait_complete", batch_pages=2)
+    st = StorageConfig(
+        backend="file",
+        backend_config={"root": root},
+        prefetch_min_tokens=4,
+        prefetch_policy="wait_complete",
+        batch_pages=2,
+    )
     cfg = mla_config(device_tokens=96, host_ratio=4.0, storage=st, model_id="synthetic-mla-tp")
     return TieredKVCache(cfg, tp_group=group)
 
@@ -111,13 +116,18 @@ def _rank(rank: int, init: str, root: str, out: str) -> None:
             result["same"].append(len(set(map(repr, gather(fingerprint(cache))))) == 1)
         req, digest = run_turn(cache, prompt)
         result.setdefault("prefetch", []).append(
-            gather((pf.outcome.name, pf.loaded_tokens, req.device_hit, req.host_hit, digest)))
+            gather((pf.outcome.name, pf.loaded_tokens, req.device_hit, req.host_hit, digest))
+        )
         result["same"].append(len(set(map(repr, gather(fingerprint(cache))))) == 1)
     cache.drain()
     cache.check_integrity()
     m = cache.metrics()
-    keys = ("tier.bytes.storage.read", "tier.hit_tokens.storage", "tier.prefetch.complete",
-            "tier.checksum_miss_pages")
+    keys = (
+        "tier.bytes.storage.read",
+        "tier.hit_tokens.storage",
+        "tier.prefetch.complete",
+        "tier.checksum_miss_pages",
+    )
     result["read"] = gather(tuple(m[k] for k in keys))
     result["page_bytes"] = sum(cache.l3.pools[n].page_bytes for n in ("kv", "indexer"))
     cache.close()
@@ -156,7 +166,9 @@ def test_mla_two_ranks_rank0_writes_both_read_identically():
         assert outcome == PrefetchOutcome.COMPLETE.name and loaded == PROMPT_TOKENS, per_rank
         assert device_hit == 0 and host_hit == PROMPT_TOKENS, per_rank
         assert digest.startswith(f"{PROMPT_TOKENS}:"), digest
-    assert len({p[0][4] for p in r["prefetch"]}) == N_CONVS, "each conversation reuses its own bytes"
+    assert len({p[0][4] for p in r["prefetch"]}) == N_CONVS, (
+        "each conversation reuses its own bytes"
+    )
 
     read0, read1 = r["read"]
     assert read0 == read1, r["read"]

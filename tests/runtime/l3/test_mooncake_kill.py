@@ -48,8 +48,9 @@ class KillInsidePut:
 @pytest.mark.timeout(120)
 def test_mooncake_master_killed_inside_a_backup_batch(fresh_master):
     master = fresh_master
-    backend = create_backend("mooncake", master_address=master.address,
-                             global_segment_size=16 << 20)
+    backend = create_backend(
+        "mooncake", master_address=master.address, global_segment_size=16 << 20
+    )
     store = KillInsidePut(backend._store)
     backend._store = store
     cache = make_l3_cache("full+swa", backend, backup_retries=0, batch_pages=BATCH)
@@ -73,13 +74,21 @@ def test_mooncake_master_killed_inside_a_backup_batch(fresh_master):
     # Only the first batch is acknowledged as stored; every other page of the job is a failure.
     l3 = cache.l3
     tree = cache.tree
-    swa_pages = sum(n.host_value[tree.swa.slot].numel() // 4 for n in tree.all_nodes()
-                    if n.parent is not None and n.host_value[tree.swa.slot] is not None)
-    kv_pages = sum(len(n.key) // 4 for n in tree.all_nodes()
-                   if n.parent is not None and n.host_value[0] is not None)
+    swa_pages = sum(
+        n.host_value[tree.swa.slot].numel() // 4
+        for n in tree.all_nodes()
+        if n.parent is not None and n.host_value[tree.swa.slot] is not None
+    )
+    kv_pages = sum(
+        len(n.key) // 4
+        for n in tree.all_nodes()
+        if n.parent is not None and n.host_value[0] is not None
+    )
     m = cache.metrics()
     assert m["l3.backup_pages"] == BATCH, m
-    assert m["tier.backup_failures"] == m["l3.backup_failed_pages"] == kv_pages + swa_pages - BATCH, m
+    assert (
+        m["tier.backup_failures"] == m["l3.backup_failed_pages"] == kv_pages + swa_pages - BATCH
+    ), m
     stored_keys = {f"{h}.{pool}.r0" for pool, h in l3._stored}
     assert stored_keys == set(first_keys), (stored_keys, first_keys)
     assert not l3._pending and not l3._backups

@@ -29,6 +29,7 @@ def _rank(rank: int, init: str, root: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     group = dist.group.WORLD
     convs = conversations(31, n=2)
+
     # The per-page store: one object's file is deleted below.
     def store() -> FilePerPageBackend:
         return FilePerPageBackend(FilePerPageConfig(root=root), scope=KeyScope(rank, 2))

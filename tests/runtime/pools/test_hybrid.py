@@ -78,7 +78,10 @@ def test_kv_flat_round_trips(kind, layout, P, device):
     host = HostPool(pool, layout, size=5 * P)
     poison(host.tensor)
     dev_pages, host_pages = [4, 1, 3], [2, 0, 4]
-    slots = lambda pages: torch.cat([torch.arange(p * P, p * P + P) for p in pages])
+
+    def slots(pages):
+        return torch.cat([torch.arange(p * P, p * P + P) for p in pages])
+
     host.backup(dev_idx(slots(dev_pages), device), dev_idx(slots(host_pages), device))
     token_major = layout == "page_first"
     want = [ref_kv_page(pool, p, token_major) for p in dev_pages]
@@ -301,9 +304,19 @@ def test_strided_buffer_at_odd_byte_offsets(offset, device):
     raw = torch.full((offset + 8 * 6 + 5,), 0xA5, dtype=torch.uint8)  # size: no word multiple
     if device.type == "cuda":
         raw = raw.pin_memory()
-    host = HostBuffer.strided(raw, num_buffers=1, num_layers=1, num_slots=8, page_size=1,
-                              item_bytes=6, stride_buffer=0, stride_page=6, stride_token=0,
-                              stride_layer=0, offset=offset)
+    host = HostBuffer.strided(
+        raw,
+        num_buffers=1,
+        num_layers=1,
+        num_slots=8,
+        page_size=1,
+        item_bytes=6,
+        stride_buffer=0,
+        stride_page=6,
+        stride_token=0,
+        stride_layer=0,
+        offset=offset,
+    )
     idx = torch.arange(8, device=device)
     copy_device_to_host(dev, host, idx, idx.flip(0))
     want = src.flip(0).cpu().contiguous().view(torch.uint8).reshape(-1)
@@ -323,8 +336,18 @@ def test_pack_takes_page_ids_anywhere_and_is_complete_on_return(device):
     staging = host.new_staging(3)
     poison(staging)
     rows = host.pack(torch.tensor([3, 0, 2]), staging)  # CPU ids, even with a CUDA pool
-    want = torch.cat([torch.cat([host.tensor[b, l, p * 4 : p * 4 + 4].reshape(-1).view(torch.uint8)
-                                 for b in range(2) for l in range(3)]).unsqueeze(0) for p in (3, 0, 2)])
+    want = torch.cat(
+        [
+            torch.cat(
+                [
+                    host.tensor[b, l, p * 4 : p * 4 + 4].reshape(-1).view(torch.uint8)
+                    for b in range(2)
+                    for l in range(3)
+                ]
+            ).unsqueeze(0)
+            for p in (3, 0, 2)
+        ]
+    )
     assert torch.equal(rows, want)
     host2 = HostPool(pool, "layer_first", size=16)
     poison(host2.tensor)

@@ -23,9 +23,17 @@ CONFIG_IDS = [c[0] for c in CONFIGS]
 class Harness:
     """A tree plus the slots requests hold, so ``check`` can prove every slot is accounted for."""
 
-    def __init__(self, page_size: int, swa_window: int | None = None, mamba: bool = False,
-                 pages: int = 64, host: bool = False, host_pages: int | None = None,
-                 mamba_slots: int = 16, **kw) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        swa_window: int | None = None,
+        mamba: bool = False,
+        pages: int = 64,
+        host: bool = False,
+        host_pages: int | None = None,
+        mamba_slots: int = 16,
+        **kw,
+    ) -> None:
         self.P = page_size
         if swa_window is not None:
             pages = max(pages, 12 * -(-swa_window // page_size))

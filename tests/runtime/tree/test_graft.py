@@ -31,8 +31,10 @@ def test_graft_takes_missing_tokens_and_books_balance():
     host = tree.full.host_alloc
     slots = host.alloc(8)
     tree.check_integrity(host_owned={"kv": 8})
-    with pytest.raises(TreeIntegrityError, match="kv host: allocator has 8 slots in use, tree "
-                       "owns 0, holders outside the tree own 0"):
+    with pytest.raises(
+        TreeIntegrityError,
+        match="kv host: allocator has 8 slots in use, tree owns 0, holders outside the tree own 0",
+    ):
         tree.check_integrity()
     end, present = tree.graft_host(tree.root, TOKENS[:8], {"kv": slots}, hashes(2), "ns")
     assert present == 0 and end.end == 8 and end.value[0] is None

@@ -18,8 +18,9 @@ TOKENS = list(range(200, 216))  # 4 pages
 
 
 def make_tree():
-    return build_tree(TreeConfig(page_size=P, kv_size=32, swa_window=8, host_kv_size=64,
-                                 host_swa_size=64))
+    return build_tree(
+        TreeConfig(page_size=P, kv_size=32, swa_window=8, host_kv_size=64, host_swa_size=64)
+    )
 
 
 def test_graft_takes_swa_slots_with_kv_and_books_balance():
@@ -58,7 +59,9 @@ def test_graft_swa_split_keeps_kv_and_swa_aligned():
     s = tree.swa.slot
     kv_host, swa_host = tree.full.host_alloc, tree.swa.host_alloc
     kv, swa = kv_host.alloc(12), swa_host.alloc(12)
-    first, _ = tree.graft_host(tree.root, TOKENS[:12], {"kv": kv, "swa": swa}, ["a", "b", "c"], None)
+    first, _ = tree.graft_host(
+        tree.root, TOKENS[:12], {"kv": kv, "swa": swa}, ["a", "b", "c"], None
+    )
     other = TOKENS[:4] + [1, 2, 3, 4]
     kv2, swa2 = kv_host.alloc(8), swa_host.alloc(8)
     end, present = tree.graft_host(tree.root, other, {"kv": kv2, "swa": swa2}, ["a", "x"], None)

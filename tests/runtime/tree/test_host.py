@@ -136,7 +136,9 @@ def test_device_leaf_with_host_only_children(h: Harness) -> None:
 
 
 def test_failed_write_back_keeps_node_on_device() -> None:
-    tree = build_tree(TreeConfig(page_size=4, kv_size=64, host_kv_size=64), write_back=lambda n: False)
+    tree = build_tree(
+        TreeConfig(page_size=4, kv_size=64, host_kv_size=64), write_back=lambda n: False
+    )
     kv = tree.full.device_alloc
     tree.insert(list(range(8)), kv.alloc(8))
     assert tree.evict(full=100).full == 0

@@ -38,8 +38,14 @@ class Sim:
     def __init__(self, P: int, window: int | None, mamba: bool, seed: int) -> None:
         self.rng = random.Random(seed)
         self.h = Harness(
-            P, window, mamba, pages=DEVICE_PAGES, host=True, host_pages=HOST_PAGES,
-            host_swa_size=HOST_PAGES * P, mamba_slots=MAMBA_SLOTS,
+            P,
+            window,
+            mamba,
+            pages=DEVICE_PAGES,
+            host=True,
+            host_pages=HOST_PAGES,
+            host_swa_size=HOST_PAGES * P,
+            mamba_slots=MAMBA_SLOTS,
             host_mamba_size=HOST_MAMBA_SLOTS if mamba else None,
         )
         self.tree, self.kv, self.P = self.h.tree, self.h.kv, P
@@ -72,8 +78,12 @@ class Sim:
         ro = self.tree.match_prefix(toks, read_only=True)
         m = self.tree.match_prefix(toks, cow_mamba=cow)
         assert torch.equal(ro.device_indices, m.device_indices), (ro, m)
-        for field in ("host_hit_length", "swa_host_hit_length", "mamba_host_hit_length",
-                      "mamba_branching_seqlen"):
+        for field in (
+            "host_hit_length",
+            "swa_host_hit_length",
+            "mamba_host_hit_length",
+            "mamba_branching_seqlen",
+        ):
             assert getattr(ro, field) == getattr(m, field), (field, ro, m)
         # Same anchor, or the read-only one is the node the regular match split (a node keeps
         # its identity as the lower piece, so the new upper piece is its parent).
@@ -114,8 +124,9 @@ class Sim:
                 mamba_slot = self.tree.mamba.device_alloc.alloc(1)
         if m.mamba_cow is not None:
             self.bump("cow")
-        req = CacheRequest(toks, torch.cat([m.device_indices, slots]), m.device_len, handle,
-                           mamba_slot=mamba_slot)
+        req = CacheRequest(
+            toks, torch.cat([m.device_indices, slots]), m.device_len, handle, mamba_slot=mamba_slot
+        )
         self.h.requests.append(req)
         self.bump("start")
 
@@ -162,8 +173,11 @@ class Sim:
                 req.pin = tree.unpin_swa(req.pin)
             self.bump("swa_release")
         elif op < 0.52:
-            tree.evict(full=rng.randint(1, 16) * self.P, swa=rng.randint(0, 8) * self.P,
-                       mamba=rng.randint(0, 3))
+            tree.evict(
+                full=rng.randint(1, 16) * self.P,
+                swa=rng.randint(0, 8) * self.P,
+                mamba=rng.randint(0, 3),
+            )
             self.bump("evict")
         elif op < 0.72:
             self.backup()
@@ -179,8 +193,11 @@ class Sim:
                     finish(item)
             self.bump("finish_async")
         elif op < 0.81:
-            tree.evict_host(full=rng.randint(1, 16) * self.P, swa=rng.randint(0, 8) * self.P,
-                            mamba=rng.randint(0, 3))
+            tree.evict_host(
+                full=rng.randint(1, 16) * self.P,
+                swa=rng.randint(0, 8) * self.P,
+                mamba=rng.randint(0, 3),
+            )
             self.bump("evict_host")
         elif op < 0.84:
             nodes = [n for n in tree.all_nodes()[1:] if n.backed_up]

@@ -174,7 +174,10 @@ def test_unfinished_req_donates_a_copy_of_its_state(P: int, W: int | None) -> No
     twin = CacheRequest(list(req.token_ids), h.alloc(len(req.token_ids)), mamba_slot=h.mamba_slot())
     h.requests.append(twin)
     before = pool.available_size()
-    assert h.tree.cache_unfinished_req(twin, donate_mamba=True) is None and pool.available_size() == before
+    assert (
+        h.tree.cache_unfinished_req(twin, donate_mamba=True) is None
+        and pool.available_size() == before
+    )
     h.check()
     # Off a page boundary (P > 1) the live state fits no node: FULL is cached, no state given.
     req.token_ids += h.tokens(1) + [7] * (P > 1)
