@@ -106,17 +106,26 @@ def check_cached(cache: TieredKVCache, req) -> None:
             assert torch.equal(cache.mamba_pool.convs[0][pl, s], c)
 
 
-def run_turn(cache, tokens, new_tokens=3):
-    req = cache.match(tokens)
-    cache.reserve(req, len(tokens) + new_tokens)
-    cache.start_loading()
-    check_cached(cache, req)
-    req.token_ids = list(tokens) + [7] * new_tokens  # the synthetic model "generates" 7s
-    forward(cache, req, len(tokens) + new_tokens)
-    cache.cache_finished_req(req)
-    cache.poll()
-    cache.check_integrity()
-    return req
+def turn_runner(check, write):
+    """A whole request of a synthetic model: match, check what it reuses with ``check``, write
+    the rest with ``write``, finish, poll, check the books."""
+
+    def run_turn(cache, tokens, new_tokens=3):
+        req = cache.match(tokens)
+        cache.reserve(req, len(tokens) + new_tokens)
+        cache.start_loading()
+        check(cache, req)
+        req.token_ids = list(tokens) + [7] * new_tokens  # the synthetic model "generates" 7s
+        write(cache, req, len(tokens) + new_tokens)
+        cache.cache_finished_req(req)
+        cache.poll()
+        cache.check_integrity()
+        return req
+
+    return run_turn
+
+
+run_turn = turn_runner(check_cached, forward)
 
 
 def fingerprint(cache: TieredKVCache) -> list:

@@ -12,6 +12,7 @@ import torch
 
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig, StorageConfig
+from tests.runtime.synthetic import turn_runner
 
 P = 4
 DIM = 5  # latent width: not a power of two
@@ -100,14 +101,4 @@ def check_cached(cache: TieredKVCache, req) -> None:
             )
 
 
-def run_turn(cache: TieredKVCache, tokens: list[int], new_tokens: int = 3):
-    req = cache.match(tokens)
-    cache.reserve(req, len(tokens) + new_tokens)
-    cache.start_loading()
-    check_cached(cache, req)
-    req.token_ids = list(tokens) + [7] * new_tokens  # the synthetic model "generates" 7s
-    forward(cache, req, len(tokens) + new_tokens)
-    cache.cache_finished_req(req)
-    cache.poll()
-    cache.check_integrity()
-    return req
+run_turn = turn_runner(check_cached, forward)
