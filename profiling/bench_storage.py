@@ -170,6 +170,7 @@ class Row:
     raw: Samples
     stores: dict[str, Samples | None]
     where: str = ""  # filesystem
+    load: float = 0.0  # 1-minute load average when the row's measurements ended
 
 
 def raw_cycle(work: Path, src: torch.Tensor, dst: torch.Tensor, raw: dict[str, Samples]) -> None:
@@ -247,12 +248,10 @@ def single_process(work: Path, pool: torch.Tensor, total: int, repeats: int) -> 
                 shutil.rmtree(work / "fsync")
         for kind in STORES[1:]:
             st["put fsync/batch"][kind] = Samples()
+        load = os.getloadavg()[0]
         for op in ops:
-            rows.append(
-                Row(
-                    page_bytes, op, raw[op], {k: v if v.totals else None for k, v in st[op].items()}
-                )
-            )
+            stores = {k: v if v.totals else None for k, v in st[op].items()}
+            rows.append(Row(page_bytes, op, raw[op], stores, load=load))
     return rows
 
 
@@ -336,6 +335,7 @@ def two_processes(work: Path, total: int, repeats: int) -> list[Row]:
                 for p in procs:
                     assert p.wait(timeout=120) == 0, f"{role} child failed"
                 shutil.rmtree(root)
+        load = os.getloadavg()[0]
         for phase in ("put", "get"):
             rows.append(
                 Row(
@@ -343,6 +343,7 @@ def two_processes(work: Path, total: int, repeats: int) -> list[Row]:
                     f"2 processes {phase} (cold)" if phase == "get" else "2 processes put",
                     samples["raw"][phase],
                     {"segment": samples["segment"][phase]},
+                    load=load,
                 )
             )
     return rows
@@ -421,9 +422,9 @@ def table(rows: list[Row], total: int) -> list[str]:
     out = [
         (
             "| where | page | operation | raw GB/s | segment GB/s | % of raw | segment batch p50 / p90 / p99 ms "
-            "| segment, verify once GB/s | % of raw | per-page GB/s | % of raw |"
+            "| segment, verify once GB/s | % of raw | per-page GB/s | % of raw | load |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         raw = r.raw.gbps(total)
@@ -437,6 +438,7 @@ def table(rows: list[Row], total: int) -> list[str]:
             if kind == "segment":
                 p50, p90, p99 = s.percentiles_ms()
                 cells.append(f"{p50:.1f} / {p90:.1f} / {p99:.1f}")
+        cells.append(f"{r.load:.1f}")
         out.append("| " + " | ".join(cells) + " |")
     return out
 

@@ -59,9 +59,9 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.metrics import TierMetrics
 from kvtier.storage.base import Parts, StorageBackend, validate_key
 from kvtier.storage.keys import KeyScope
-from kvtier.storage.metrics import StorageMetrics
 from kvtier.storage.page_format import (
     HEADER_SIZE,
     buffer_of,
@@ -191,7 +191,7 @@ class FilePerPageBackend(StorageBackend):
         config: FilePerPageConfig,
         *,
         scope: KeyScope | None = None,
-        metrics: StorageMetrics | None = None,
+        metrics: TierMetrics | None = None,
     ):
         super().__init__(scope=scope, metrics=metrics)
         self.config = config

@@ -20,12 +20,12 @@ from typing import TypeVar
 import pytest
 import torch
 
+from kvtier.metrics import TierMetrics
 from kvtier.storage import (
     KeyScope,
     Namespace,
     PoolTransfer,
     StorageBackend,
-    StorageMetrics,
     page_hashes,
 )
 from kvtier.storage.base import MAX_KEY_LENGTH, Parts, validate_key
@@ -34,7 +34,7 @@ from kvtier.storage.page_format import HEADER_SIZE
 
 
 def per_page(
-    *, scope: KeyScope | None = None, metrics: StorageMetrics | None = None, **config: object
+    *, scope: KeyScope | None = None, metrics: TierMetrics | None = None, **config: object
 ) -> FileBackend:
     """The per-page file store (``create_backend("file")`` is the segment store, tested in
     ``test_segment_store.py``): these tests pin its per-page-file format and defences."""
@@ -60,6 +60,10 @@ BAD_HASHES = {
     "upper-hex": H[1].upper(),
     "short-hex": H[1][:63],
     "hash-with-pool": H[1] + ".kv",
+    # Against the batch check (one regex over the hashes joined by newlines):
+    "newline-inside": H[1][:32] + "\n" + H[1][33:],
+    "two-hashes-in-one": H[1] + "\n" + H[3],
+    "trailing-newline": H[1] + "\n",
     "int": 5,
     "none": None,
     "bytes": H[1].encode(),
@@ -163,6 +167,18 @@ def test_bad_key_fails_only_its_page(tmp_path: Path, root: Path, bad: object) ->
     new = sorted(set(tree(tmp_path)) - set(before))
     pagefiles = sorted(os.path.join("outer", "l3", page_file(root, h).name) for h in GOOD)
     assert new == pagefiles, "only the good pages' files appear, inside the root"
+
+
+def test_hashes_whose_lengths_add_up_are_refused(root: Path) -> None:
+    """A 63-char and a 65-char key join to the length of two hashes; both still fail."""
+    b = per_page(root=root)
+    keys = [GOOD[0], H[1][:63], H[3] + "0", GOOD[1]]
+    src = pages(4, 3)
+    assert b.set([PoolTransfer("kv", keys, src)]).ok["kv"] == [True, False, False, True]
+    out = empty(4)
+    assert b.get([PoolTransfer("kv", keys, out)]).ok["kv"] == [True, False, False, True]
+    assert torch.equal(out[0], src[0]) and torch.equal(out[3], src[3])
+    assert sorted(p.name for p in root.iterdir()) == sorted(page_file(root, h).name for h in GOOD)
 
 
 def test_hash_carrying_a_suffix_cannot_alias_another_pool(root: Path) -> None:

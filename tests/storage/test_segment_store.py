@@ -463,12 +463,12 @@ def test_scope_keys_do_not_alias(root: Path) -> None:
 def test_journal_read_in_chunks_that_cut_entries(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtier.storage.segments import store
+    from kvtier.storage.segments import index
 
     b = create_backend("file", root=root)
     put(b, H[:20])
     b.close()
-    monkeypatch.setattr(store, "_JOURNAL_READ", ENTRY * 3 + ENTRY // 2)  # ends mid-entry
+    monkeypatch.setattr(index, "_JOURNAL_READ", ENTRY * 3 + ENTRY // 2)  # ends mid-entry
     again = create_backend("file", root=root)
     assert again.exists([PoolTransfer("kv", H[:20])]) == 20
     assert served(again, H[:20]) == [True] * 20

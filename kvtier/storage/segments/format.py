@@ -35,7 +35,7 @@ import zlib
 from typing import NamedTuple
 
 from kvtier.storage.base import MAX_KEY_LENGTH
-from kvtier.storage.page_format import HEADER_SIZE
+from kvtier.storage.page_format import HEADER_SIZE, verify_at
 
 __all__ = [
     "ENTRY_SIZE",
@@ -45,6 +45,7 @@ __all__ = [
     "encode_entry",
     "parse_entries",
     "prefix_matches",
+    "record_ok",
     "record_prefix",
 ]
 
@@ -79,6 +80,24 @@ def prefix_matches(prefix: memoryview | bytes, seq: int) -> bool:
     """Whether ``prefix`` opens the record with sequence number ``seq``."""
     magic, _, got = _PREFIX.unpack(prefix)
     return magic == _RECORD_MAGIC and got == seq
+
+
+def record_ok(
+    heads: memoryview,
+    at: int,
+    seq: int,
+    key: str,
+    parts: list[memoryview],
+    length: int,
+    trusted: bool,
+) -> bool:
+    """Whether the record head at ``heads[at:]`` (prefix and page header, as read) opens record
+    ``seq`` of ``key`` and, unless ``trusted``, the payload ``parts`` (``length`` bytes) verifies
+    against it."""
+    magic, _, got = _PREFIX.unpack_from(heads, at)
+    if magic != _RECORD_MAGIC or got != seq:
+        return False
+    return trusted or verify_at(heads, at + PREFIX_SIZE, key, parts, length)
 
 
 def encode_entry(e: Entry) -> bytes:

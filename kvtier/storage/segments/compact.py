@@ -1,0 +1,118 @@
+"""Compaction: a finished segment whose live records take under ``compact_below`` of its record
+bytes has them copied into this process's active segment, and is then deleted.
+
+Records die when a newer record of the same key is journaled (two processes that stored one key
+at once, or an earlier compaction) or when they fail verification. A candidate is a finished
+segment: this process's own once it moved on, or another writer's whose journal is final (its
+writer moved on to a newer segment; a dead writer's last segment is only ever evicted). The
+compactor holds ``flock(LOCK_EX)`` on the candidate from before it reads the live records until
+after it deleted the files, so two processes never compact one segment at once, and a writer's
+active segment (``LOCK_SH``) is never taken. Every copied record is verified first (a bad one is
+dropped and counted, not copied); the copies carry a newer journal time, so every process's index
+moves to them once it reads this process's journal, which is written before the old segment is
+deleted. Readers in flight keep the old segment's descriptor,
+so its bytes are never freed under them (POSIX unlink semantics).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+
+from kvtier.storage.segments.format import RECORD_HEAD, record_ok
+from kvtier.storage.segments.index import Index, Loc, Segment
+from kvtier.storage.segments.io import read_all
+from kvtier.storage.segments.root import open_regular
+from kvtier.storage.segments.space import Space
+from kvtier.storage.segments.writer import Writer
+
+__all__ = ["Compactor"]
+
+log = logging.getLogger(__name__)
+
+
+class Compactor:
+    """Compacts at most one segment per call of ``step``; callers hold the append lock."""
+
+    def __init__(self, index: Index, writer: Writer, space: Space, dirfd: int, below: float):
+        self._index, self._writer, self._space, self._dirfd = index, writer, space, dirfd
+        self._below = below
+
+    def _candidate_locked(self) -> Segment | None:
+        """The finished segment with the smallest live fraction under the threshold, if any."""
+        best, best_ratio = None, self._below
+        for seg in self._index.segments.values():
+            if seg.jfd is not None or seg is self._writer.active or seg.end == 0:
+                continue  # a journal still growing, or this process's active segment
+            ratio = seg.live_bytes / seg.end
+            if ratio < best_ratio:
+                best, best_ratio = seg, ratio
+        return best
+
+    def step(self) -> tuple[int, int]:
+        """Compact one candidate segment, if any: (records copied, records that failed
+        verification). Nothing happens while another process holds the candidate."""
+        if self._below <= 0:
+            return 0, 0
+        index = self._index
+        with index.mutex:
+            seg = self._candidate_locked()
+        if seg is None:
+            return 0, 0
+        fd = open_regular(self._dirfd, seg.stem + ".kvs")
+        if fd is None:
+            return 0, 0
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0, 0  # a writer's active segment, or another compactor's
+            with index.mutex:
+                live = [
+                    (k, loc)
+                    for k, loc in ((k, index.entries.get(k)) for k in dict.fromkeys(seg.keys))
+                    if loc is not None and loc.seg is seg
+                ]
+            copied, bad = self._copy(fd, live)
+            with self._space.lock:
+                files = self._space.listing().get(seg.stem, {})
+                self._space.delete(seg.stem, files, held_fd=fd)
+            return copied, bad
+        except (OSError, TimeoutError) as e:
+            log.warning(
+                "segment store %s: compaction of %s stopped: %s", self._space.root, seg.stem, e
+            )
+            return 0, 0
+        finally:
+            os.close(fd)
+
+    def _copy(self, fd: int, live: list[tuple[str, Loc]]) -> tuple[int, int]:
+        """Read, verify and append the records ``live``; (copied, failed verification). Raises
+        ``OSError`` when a record cannot be read or appended: the segment then stays."""
+        if not live:
+            return 0, 0
+        buf = memoryview(bytearray(sum(RECORD_HEAD + loc.length for _, loc in live)))
+        keys, parts, lengths, bad = [], [], [], []
+        at = 0
+        for key, loc in live:
+            head, payload = (
+                buf[at : at + RECORD_HEAD],
+                buf[at + RECORD_HEAD : at + RECORD_HEAD + loc.length],
+            )
+            want = RECORD_HEAD + loc.length
+            got = read_all(fd, [head, payload], loc.offset, want)
+            if got == want and record_ok(buf, at, loc.seq, key, [payload], loc.length, False):
+                keys.append(key)
+                parts.append([payload])
+                lengths.append(loc.length)
+            else:
+                bad.append((key, loc))
+            at += want
+        with self._index.mutex:
+            for key, loc in bad:
+                self._index.drop_locked(key, loc)
+        stored = self._writer.append(keys, parts, lengths)
+        if not all(stored):
+            raise OSError(f"{stored.count(False)} of {len(keys)} live records not copied")
+        return len(keys), len(bad)

@@ -1,0 +1,89 @@
+"""The segment store's settings, validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["SegmentBackendConfig"]
+
+
+@dataclass(frozen=True)
+class SegmentBackendConfig:
+    """Attributes:
+    root: directory of segment files (created with ``dir_mode`` if missing; its parents with the
+        umask's defaults). Several processes may share it.
+    capacity_bytes: most bytes of segments and journals in the root, all processes together;
+        ``None`` for no limit.
+    fsync: ``fdatasync`` the segment and the journal once per batch (durable across power loss).
+    segment_bytes: size a segment is preallocated to (a page larger than it gets one of its own);
+        ``None``: 64 MiB, or an eighth of ``capacity_bytes`` if smaller, so that eviction (whole
+        segments) is fine-grained. At most ``capacity_bytes``.
+    io_threads: threads per direction that share a batch's runs of records with the caller's
+        thread (each run: one ``preadv`` or ``pwritev`` and its checksums; syscalls and XXH3 of
+        more than 64 KiB release the GIL); 0: the caller's thread does everything.
+    dir_mode: permission bits of a root this backend creates (exactly, whatever the umask); an
+        existing root may not be writable by more users than these bits allow. Must include
+        ``0o700``.
+    file_mode: permission bits of each segment, journal and the lock file; must include ``0o600``.
+    allow_unsafe_root: accept an existing root that other users can write into, logging a
+        warning, instead of refusing it.
+    verify: when a read checks a record's checksum: ``"always"``, or ``"once"`` per record this
+        process did not see written completely (its own appends are trusted, another's record
+        once it verified). ``"once"`` trusts the disk not to change bytes it has returned.
+    lock_timeout_s: longest wait for the root lock (taken to create or delete segments); a write
+        that cannot get it fails its pages.
+    touch_interval_s: a read stamps the mtime of a segment it reads at most this often.
+    compact_below: a finished segment whose live records (those the index still serves from it)
+        take less than this fraction of its record bytes is compacted: its live records are
+        copied into this process's active segment and it is deleted. 0 turns compaction off.
+    open_segments: most segment descriptors this process keeps open for reading (least
+        recently used closed first; one in use by a read is never closed).
+    """
+
+    root: str | os.PathLike[str]
+    capacity_bytes: int | None = None
+    fsync: bool = False
+    segment_bytes: int | None = None
+    io_threads: int = 1
+    dir_mode: int = 0o700
+    file_mode: int = 0o600
+    allow_unsafe_root: bool = False
+    verify: str = "always"
+    lock_timeout_s: float = 10.0
+    touch_interval_s: float = 1.0
+    compact_below: float = 0.5
+    open_segments: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("capacity_bytes", "segment_bytes", "io_threads", "open_segments"):
+            value = getattr(self, name)
+            if value is None and name in ("capacity_bytes", "segment_bytes"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            if value < (0 if name == "io_threads" else 1):
+                raise ValueError(
+                    f"{name} must be {'>= 0' if name == 'io_threads' else 'positive'}, got {value}"
+                )
+        cap, seg = self.capacity_bytes, self.segment_bytes
+        if cap is not None and seg is not None and seg > cap:
+            raise ValueError(f"segment_bytes must be at most capacity_bytes ({cap}), got {seg}")
+        for name, owner in (("dir_mode", 0o700), ("file_mode", 0o600)):
+            mode = getattr(self, name)
+            if isinstance(mode, bool) or not isinstance(mode, int):
+                raise TypeError(f"{name} must be an int, got {type(mode).__name__} {mode!r}")
+            if not 0 <= mode <= 0o777 or mode & owner != owner:
+                raise ValueError(
+                    f"{name} must be permission bits within 0o777 that include {owner:#o}, "
+                    f"got {mode:#o}"
+                )
+        if self.verify not in ("always", "once"):
+            raise ValueError(f"verify must be 'always' or 'once', got {self.verify!r}")
+        for name in ("lock_timeout_s", "touch_interval_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+        value = self.compact_below
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+            raise ValueError(f"compact_below must be a number in [0, 1), got {value!r}")

@@ -1,0 +1,321 @@
+"""The segment store's books in one process: which record serves each key, the segments it knows,
+their read descriptors, and catching up with what other processes wrote.
+
+Index. ``key -> Loc(segment, offset, length, seq, time)`` in memory, rebuilt at start-up by reading
+every journal. When two records carry one key the newest (journal time, then segment name, then
+sequence number) wins; the other is dead. Each segment counts its live records and their bytes, so
+eviction can prefer dead segments and compaction can find half-dead ones.
+
+Other processes. Every call checks the root's mtime (one ``fstat``) and lists the root when it
+changed; a call with a key the index lacks also reads what the other writers' latest journals
+gained since the last look. So a page another process has written is found by the next call that
+asks for it. A segment missing from a listing is forgotten (its keys leave the index).
+
+Descriptors. A segment's read descriptor is opened on first use and kept in a least recently used
+set of at most ``open_segments``; reads pin the descriptors they use, and a pinned one is never
+closed. A segment another process deletes stays readable through an open descriptor (POSIX), so
+the bytes of a read in flight are never freed under it; once closed, a deleted segment's records
+are misses. The writer's active segment stays pinned until it moves on.
+
+Every method whose name ends in ``_locked`` needs ``mutex`` held.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NamedTuple
+
+from kvtier.storage.segments.format import RECORD_HEAD, Entry, parse_entries
+from kvtier.storage.segments.root import open_regular
+
+__all__ = ["NAME", "Index", "Loc", "Segment"]
+
+log = logging.getLogger(__name__)
+
+NAME = re.compile(r"(?P<writer>[1-9][0-9]*-[0-9a-f]{8})-(?P<n>[0-9]{8})\.(?P<ext>kvs|kvj)")
+"""A segment's (``kvs``) or journal's (``kvj``) file name: ``<pid>-<8 hex>-<number>.<ext>``."""
+_JOURNAL_READ = 16 << 20  # bytes of a journal read per pread while tailing
+# A directory's mtime comes from the kernel's coarse clock (one tick, a few ms): an entry made in
+# the same tick as the last listing leaves it unchanged, so a lookup that misses lists the root
+# again while its mtime is this recent.
+_COARSE_NS = 1_000_000_000
+
+
+class Segment:
+    """One segment file as this process sees it."""
+
+    __slots__ = (
+        "end",
+        "fd",
+        "gone",
+        "jfd",
+        "jpos",
+        "keys",
+        "live",
+        "live_bytes",
+        "number",
+        "pins",
+        "stem",
+        "touched",
+        "writer",
+    )
+
+    def __init__(self, stem: str, writer: str, number: int, fd: int, jfd: int | None) -> None:
+        self.stem, self.writer, self.number = stem, writer, number
+        self.fd = fd  # read descriptor, -1 while closed (the writer's own while it appends)
+        self.jfd = jfd  # journal descriptor while tailing another writer's journal, else None
+        self.jpos = 0  # journal bytes parsed
+        self.keys: list[str] = []  # every key journaled here (to forget them when it goes)
+        self.live = 0  # index entries pointing here
+        self.live_bytes = 0  # their record bytes
+        self.end = 0  # record bytes journaled (the end of its last journaled record)
+        self.pins = 0  # reads in flight using ``fd``, plus one while this process appends to it
+        self.gone = False  # deleted: close ``fd`` once unpinned
+        self.touched = float("-inf")  # monotonic time of this process's last mtime stamp
+
+    def close(self) -> None:
+        for fd in (self.fd, self.jfd):
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        self.fd, self.jfd = -1, None
+
+
+class Loc(NamedTuple):
+    """Where the record serving a key lies."""
+
+    seg: Segment
+    offset: int
+    length: int  # payload bytes
+    seq: int
+    time_ns: int
+    trusted: bool  # seen written completely or verified by this process ("once" rule only)
+
+
+class Index:
+    """The books above, shared by the reader, the writer and the space manager of one backend."""
+
+    def __init__(
+        self, root: Path, dirfd: int, writer: str, open_segments: int, touch_interval_s: float
+    ) -> None:
+        self.root, self._dirfd, self.writer = root, dirfd, writer
+        self.mutex = threading.Lock()
+        self.entries: dict[str, Loc] = {}
+        self.segments: dict[str, Segment] = {}
+        self.active: Segment | None = None  # this process's segment being appended to
+        self._open: OrderedDict[str, Segment] = OrderedDict()  # open read descriptors, LRU first
+        self._open_max = open_segments
+        self._touch_interval_s = touch_interval_s
+        self._dir_mtime = -1
+
+    # -- catching up with the root ----------------------------------------------------------------
+
+    def refresh_locked(self, tail: bool) -> None:
+        """Catch up with the root: list it if it changed, and with ``tail`` read what the other
+        writers' latest journals gained."""
+        try:
+            mtime = os.fstat(self._dirfd).st_mtime_ns
+        except OSError:
+            return
+        if mtime != self._dir_mtime or (tail and time.time_ns() - mtime < _COARSE_NS):
+            self._dir_mtime = mtime
+            self._rescan_locked()
+        if tail:
+            for seg in [s for s in self.segments.values() if s.jfd is not None]:
+                self._tail_locked(seg)
+
+    def forget_listing_locked(self) -> None:
+        """List the root again on the next call."""
+        self._dir_mtime = -1
+
+    def _rescan_locked(self) -> None:
+        try:
+            names = os.listdir(self._dirfd)
+        except OSError as e:
+            log.warning("segment store %s: cannot list the root: %s", self.root, e)
+            return
+        data, journals = set(), set()
+        for name in names:
+            m = NAME.fullmatch(name)
+            if m is not None:
+                (data if m["ext"] == "kvs" else journals).add(name[:-4])
+        active = self.active.stem if self.active is not None else None
+        for stem, seg in list(self.segments.items()):
+            if stem not in data and stem != active:
+                self.remove_locked(seg)
+        for stem in sorted((data & journals) - self.segments.keys()):
+            writer, _, number = stem.rpartition("-")
+            if writer == self.writer:
+                continue  # our own leftovers (an append that failed): never served
+            jfd = open_regular(self._dirfd, stem + ".kvj")
+            if jfd is None:
+                continue  # not a regular file: never ours to serve
+            # The segment file is opened (and checked to be a regular file) when first read.
+            self.segments[stem] = Segment(stem, writer, int(number), -1, jfd)
+        latest: dict[str, int] = {}
+        for seg in self.segments.values():
+            latest[seg.writer] = max(latest.get(seg.writer, -1), seg.number)
+        for seg in self.segments.values():
+            if seg.jfd is not None:
+                self._tail_locked(seg)
+                if seg.number < latest[seg.writer]:
+                    # Its writer moved on: the journal is final.
+                    os.close(seg.jfd)
+                    seg.jfd = None
+
+    def _tail_locked(self, seg: Segment) -> None:
+        """Index the entries ``seg``'s journal gained since the last look."""
+        try:
+            size = os.fstat(seg.jfd).st_size  # type: ignore[arg-type]
+            while size > seg.jpos:
+                want = min(size - seg.jpos, _JOURNAL_READ)
+                buf = os.pread(seg.jfd, want, seg.jpos)  # type: ignore[arg-type]
+                entries, used = parse_entries(buf)
+                self.insert_locked(seg, entries)
+                seg.jpos += used
+                # A chunk may end inside an entry: read on from it. Nothing parsed means a torn
+                # or still-landing entry: resume there next time.
+                if used == 0 or len(buf) < want:
+                    break
+        except OSError as e:
+            log.warning("segment store %s: journal %s unreadable: %s", self.root, seg.stem, e)
+
+    # -- the index --------------------------------------------------------------------------------
+
+    def add_own_locked(self, seg: Segment) -> None:
+        """A segment this process just created; pinned while it appends to it."""
+        seg.pins += 1
+        self.segments[seg.stem] = seg
+        self.active = seg
+
+    def finish_own_locked(self, seg: Segment) -> None:
+        """This process stopped appending to ``seg``: its descriptor joins the read LRU."""
+        if self.active is seg:
+            self.active = None
+        if not seg.gone and seg.fd >= 0:
+            self._open[seg.stem] = seg
+        self.unpin_locked(seg)
+
+    def insert_locked(self, seg: Segment, entries: Iterable[Entry], trusted: bool = False) -> None:
+        """Index journal entries of ``seg`` (the start-up path: kept lean)."""
+        index, keys, stem = self.entries, seg.keys, seg.stem
+        live = live_bytes = 0
+        end = seg.end
+        for key, offset, length, seq, time_ns in entries:
+            keys.append(key)
+            size = RECORD_HEAD + length
+            end = max(end, offset + size)
+            old = index.get(key)
+            if old is not None:
+                if (old.time_ns, old.seg.stem, old.seq) >= (time_ns, stem, seq):
+                    continue
+                old.seg.live -= 1
+                old.seg.live_bytes -= RECORD_HEAD + old.length
+            index[key] = Loc(seg, offset, length, seq, time_ns, trusted)
+            live += 1
+            live_bytes += size
+        seg.live += live
+        seg.live_bytes += live_bytes
+        seg.end = end
+
+    def remove_locked(self, seg: Segment) -> None:
+        """Forget a deleted segment; its descriptor closes when no read of ours uses it."""
+        index = self.entries
+        for key in seg.keys:
+            loc = index.get(key)
+            if loc is not None and loc.seg is seg:
+                del index[key]
+        seg.keys, seg.live, seg.live_bytes, seg.gone = [], 0, 0, True
+        self.segments.pop(seg.stem, None)
+        self._open.pop(seg.stem, None)
+        if seg.pins == 0:
+            seg.close()
+        elif seg.jfd is not None:
+            os.close(seg.jfd)
+            seg.jfd = None
+
+    def drop_locked(self, key: str, loc: Loc) -> None:
+        """Forget one record (it failed verification); a later ``set`` writes the key anew."""
+        if self.entries.get(key) == loc:
+            del self.entries[key]
+            loc.seg.live -= 1
+            loc.seg.live_bytes -= RECORD_HEAD + loc.length
+
+    def trust_locked(self, key: str, loc: Loc) -> None:
+        """Mark ``key``'s record verified (``verify="once"``), unless it changed meanwhile."""
+        if not loc.trusted and self.entries.get(key) == loc:
+            self.entries[key] = loc._replace(trusted=True)
+
+    # -- descriptors ------------------------------------------------------------------------------
+
+    def pin_locked(self, seg: Segment) -> int:
+        """``seg``'s read descriptor, opened if closed, kept open until ``unpin_locked``; -1 if
+        the segment is gone or no longer a regular file of ours."""
+        if seg.gone:
+            return -1
+        if seg.fd < 0:
+            fd = open_regular(self._dirfd, seg.stem + ".kvs")
+            if fd is None:
+                return -1
+            seg.fd = fd
+        seg.pins += 1
+        if seg is not self.active:
+            self._open[seg.stem] = seg
+            self._open.move_to_end(seg.stem)
+            self._trim_locked()
+        return seg.fd
+
+    def unpin_locked(self, seg: Segment) -> None:
+        seg.pins -= 1
+        if seg.pins == 0:
+            if seg.gone:
+                seg.close()
+            else:
+                self._trim_locked()
+
+    def _trim_locked(self) -> None:
+        """Close least recently used descriptors beyond ``open_segments`` (never a pinned one)."""
+        if len(self._open) <= self._open_max:
+            return
+        for stem in [s for s, seg in self._open.items() if seg.pins == 0]:
+            seg = self._open.pop(stem)
+            os.close(seg.fd)
+            seg.fd = -1
+            if len(self._open) <= self._open_max:
+                return
+
+    @property
+    def open_descriptors(self) -> int:
+        """Segment descriptors open for reading (the active segment's not counted)."""
+        return len(self._open)
+
+    def touch_locked(self, segs: Iterable[Segment]) -> None:
+        """Stamp the mtime (the shared LRU clock) of segments just used, rate-limited: through
+        the open descriptor, or by name (never following a symlink) when it is closed."""
+        now = time.monotonic()
+        for seg in segs:
+            if not seg.gone and now - seg.touched >= self._touch_interval_s:
+                seg.touched = now
+                t = time.time_ns()
+                try:
+                    if seg.fd >= 0:
+                        os.utime(seg.fd, ns=(t, t))
+                    else:
+                        name = seg.stem + ".kvs"
+                        os.utime(name, ns=(t, t), dir_fd=self._dirfd, follow_symlinks=False)
+                except OSError:
+                    pass  # best effort: the segment only ages faster
+
+    def close_locked(self) -> None:
+        for seg in self.segments.values():
+            seg.close()
+        self.segments.clear()
+        self._open.clear()
+        self.entries.clear()
+        self.active = None

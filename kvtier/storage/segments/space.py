@@ -1,0 +1,143 @@
+"""Room in the root, for every process together: what the segments take, and deleting them.
+
+Creating a segment is the only point where space is taken, under an exclusive ``flock`` on
+``<root>/lock`` (``root.RootLock``: held for a few syscalls, never around page IO). The creator sums
+the sizes of every segment and journal in the root, and while the new segment (plus its journal's
+reservation) does not fit under ``capacity_bytes`` deletes whole segments: first leftovers (a
+segment without its journal or the reverse), then segments none of whose records the index still
+uses (all superseded or dropped), then the least recently used by file mtime. Writers stamp their
+segment's mtime after every batch and readers stamp a segment they read from (at most once per
+``touch_interval_s``), so mtime order is an LRU order at segment granularity, shared by every
+process and kept across restarts.
+
+A writer holds ``flock(LOCK_SH)`` on its active segment from creation until it moves on, and a
+segment is deleted only while ``flock(LOCK_EX | LOCK_NB)`` on it holds: no process deletes what
+another is writing (the lock dies with its holder, so a crashed writer's segment becomes
+evictable). Only regular files of the store's own name form are considered; a foreign entry is
+never followed or deleted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import stat
+from pathlib import Path
+
+from kvtier.storage.base import MAX_KEY_LENGTH
+from kvtier.storage.segments.format import ENTRY_SIZE
+from kvtier.storage.segments.index import NAME, Index
+from kvtier.storage.segments.root import RootLock, open_regular
+
+__all__ = ["Space", "journal_reserve"]
+
+log = logging.getLogger(__name__)
+
+Files = dict[str, os.stat_result]  # "kvs" / "kvj" -> stat of one segment's files
+
+
+def journal_reserve(segment_size: int) -> int:
+    """Journal bytes counted for a segment of ``segment_size`` bytes (it moves on when they are
+    used up): room for a 3.5 KiB page's entry per record, and at least one entry."""
+    return max(ENTRY_SIZE + MAX_KEY_LENGTH, segment_size // 32)
+
+
+def _accounted(files: Files) -> int:
+    """Bytes a segment counts against the capacity: its file, and its journal at least at its
+    reservation, which another process's active journal may still grow into."""
+    seg = files["kvs"].st_size if "kvs" in files else 0
+    journal = files["kvj"].st_size if "kvj" in files else 0
+    return seg + max(journal, journal_reserve(seg) if "kvs" in files else 0)
+
+
+class Space:
+    """Listing, capacity and deletion for one backend; ``lock`` is the root lock."""
+
+    def __init__(self, root: Path, dirfd: int, lock: RootLock, index: Index) -> None:
+        self.root, self._dirfd, self.lock, self._index = root, dirfd, lock, index
+
+    def listing(self) -> dict[str, Files]:
+        """The store's regular files in the root: stem -> {"kvs"|"kvj": stat}."""
+        out: dict[str, Files] = {}
+        for name in os.listdir(self._dirfd):
+            m = NAME.fullmatch(name)
+            if m is None:
+                continue
+            try:
+                st = os.stat(name, dir_fd=self._dirfd, follow_symlinks=False)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a symlink, FIFO, directory: never ours
+                continue
+            out.setdefault(name[:-4], {})[m["ext"]] = st
+        return out
+
+    def used_bytes(self) -> int:
+        return sum(st.st_size for f in self.listing().values() for st in f.values())
+
+    def make_room(self, need: int, cap: int) -> bool:
+        """Delete whole segments until ``need`` more bytes fit under ``cap`` (root lock held)."""
+        files = self.listing()
+        used = sum(_accounted(f) for f in files.values())
+        if used + need <= cap:
+            return True
+        with self._index.mutex:
+            live = {stem: seg.live for stem, seg in self._index.segments.items()}
+
+        def order(stem: str) -> tuple[int, int]:
+            f = files[stem]
+            if len(f) < 2:
+                return (0, 0)  # a leftover: half a segment
+            return (1 if live.get(stem) == 0 else 2, f["kvs"].st_mtime_ns)
+
+        for stem in sorted(files, key=order):
+            if used + need <= cap:
+                break
+            if self.delete(stem, files[stem]):
+                used -= _accounted(files[stem])
+        return used + need <= cap
+
+    def delete(self, stem: str, files: Files, held_fd: int | None = None) -> bool:
+        """Delete a segment and its journal unless a writer holds it (root lock held). Space
+        other processes' open descriptors still pin is freed when they close them.
+
+        ``held_fd``: a descriptor of the segment on which the caller already holds
+        ``LOCK_EX`` (compaction); otherwise one is opened and locked here.
+        """
+        fd = held_fd
+        if fd is None and "kvs" in files:
+            fd = open_regular(self._dirfd, stem + ".kvs")
+            if fd is None:
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False  # a live writer's active segment
+        try:
+            for ext in ("kvj", "kvs"):
+                if ext in files:  # only the regular files listed: a foreign entry stays
+                    self.unlink(f"{stem}.{ext}")
+        finally:
+            if fd is not None and fd != held_fd:
+                os.close(fd)
+        with self._index.mutex:
+            seg = self._index.segments.get(stem)
+            if seg is not None:
+                self._index.remove_locked(seg)
+        return True
+
+    def clear(self) -> None:
+        """Delete every segment no live writer holds (root lock taken here)."""
+        with self.lock:
+            for stem, files in self.listing().items():
+                self.delete(stem, files)
+
+    def unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dirfd)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("segment store %s: could not remove %r: %s", self.root, name, e)

@@ -1,0 +1,240 @@
+"""The segment store reclaims half-dead segments and bounds its read descriptors.
+
+Compaction: a finished segment whose live records take less than ``compact_below`` of its bytes
+has them copied into the writer's active segment and is deleted; a reader in the middle of a read
+of it (another backend on the root, or another process) still gets every byte right. Records are
+killed here the way they die in service: failing verification (a flipped byte) drops them.
+Page bytes are a function of the key, so every read is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+from kvtier.storage.segments import SegmentBackend
+from kvtier.storage.segments import reader as reader_module
+from kvtier.storage.segments.format import RECORD_HEAD
+
+NS = Namespace("compaction-test", "bfloat16", 4, "page_first")
+PAGE = 4096
+RECORD = RECORD_HEAD + PAGE
+H = page_hashes(range(4 * 64), NS)
+WAIT_S = 10.0  # an event not set within this is a hang, not slowness
+
+
+def expected(h: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(h[:15], 16))
+    return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
+
+
+def put(b: SegmentBackend, hashes: list[str]) -> list[bool]:
+    return b.set([PoolTransfer("kv", hashes, [expected(h) for h in hashes])]).ok["kv"]
+
+
+def served(b: SegmentBackend, hashes: list[str]) -> list[bool]:
+    """Per page: read back and equal to its expected bytes (a wrong byte fails the test)."""
+    out = list(torch.full((len(hashes), PAGE), 0xEE, dtype=torch.uint8).unbind(0))
+    ok = b.get([PoolTransfer("kv", hashes, out)]).ok["kv"]
+    for i, (h, got) in enumerate(zip(hashes, ok)):
+        if got:
+            assert torch.equal(out[i], expected(h)), f"page {i} served with wrong bytes"
+    return ok
+
+
+def store(root: Path, **config: object) -> SegmentBackend:
+    """Segments of eight records; the journal reservation is ample for eight entries."""
+    b = create_backend("file", root=root, segment_bytes=8 * RECORD, touch_interval_s=0, **config)
+    assert isinstance(b, SegmentBackend)
+    return b
+
+
+def flip(b: SegmentBackend, h: str) -> None:
+    """Flip one payload byte of ``h``'s record on disk."""
+    span = b.locate(f"{h}.kv.r0")
+    assert span is not None
+    with open(span.path, "r+b") as f:
+        f.seek(span.offset + RECORD_HEAD + 100)
+        byte = f.read(1)[0]
+        f.seek(span.offset + RECORD_HEAD + 100)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def half_dead(root: Path, **config: object) -> tuple[SegmentBackend, Path]:
+    """A store whose first segment (pages 0-7, finished) has only pages 0 and 1 live: pages 2-7
+    failed verification on a read and were dropped. Returns the store and that segment."""
+    w = store(root, **config)
+    assert put(w, H[:8]) == [True] * 8
+    assert put(w, H[8:16]) == [True] * 8  # the first segment is full: a second one is active
+    first = w.locate(f"{H[0]}.kv.r0")
+    assert first is not None and len(list(root.glob("*.kvs"))) == 2
+    for h in H[2:8]:
+        flip(w, h)
+    assert served(w, H[:8]) == [True, True] + [False] * 6
+    assert w.metrics.snapshot()["checksum_miss_pages"] == 6
+    return w, first.path
+
+
+def test_half_dead_segment_is_compacted_on_the_next_write(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    w, first = half_dead(root)
+    assert first.exists(), "a write triggers compaction, a read does not"
+    assert put(w, H[16:17]) == [True]
+    assert not first.exists(), "the half-dead segment was dropped"
+    for h in H[:2]:
+        span = w.locate(f"{h}.kv.r0")
+        assert span is not None and span.path != first, "live records were copied out"
+    assert served(w, H[:2] + H[8:17]) == [True] * 11
+    assert served(w, H[2:8]) == [False] * 6, "dead records stay dead"
+    assert w.metrics.snapshot()["checksum_miss_pages"] == 6, "copies verified, none bad"
+    again = store(root)  # a restart sees the copies, and only them
+    assert sorted(again.object_keys()) == sorted(f"{h}.kv.r0" for h in H[:2] + H[8:17])
+    assert served(again, H[:2] + H[8:17]) == [True] * 11
+    assert put(w, H[2:8]) == [True] * 6, "dropped keys can be stored again"
+    assert served(again, H[2:8]) == [True] * 6
+
+
+def test_no_compaction_above_the_threshold_or_when_off(tmp_path: Path) -> None:
+    w, first = half_dead(tmp_path / "off", compact_below=0)
+    assert put(w, H[16:17]) == [True]
+    assert first.exists(), "compact_below=0 turns compaction off"
+    w, first = half_dead(tmp_path / "low", compact_below=0.2)  # 2 of 8 live is 25%
+    assert put(w, H[16:17]) == [True]
+    assert first.exists(), "25% live is above a 20% threshold"
+
+
+def test_compaction_never_frees_bytes_under_a_read_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another backend on the root (its own descriptors and books, as another process has)
+    reads the live pages of the half-dead segment; its read is held inside ``preadv`` while the
+    writer compacts and deletes that segment, then completes with every byte right."""
+    root = tmp_path / "l3"
+    w, first = half_dead(root)
+    r = store(root)  # opened after the damage: it still indexes all eight records of ``first``
+    reading, compacted = threading.Event(), threading.Event()
+    real = reader_module.read_all
+
+    def held(fd: int, iovecs: list[memoryview], offset: int, want: int) -> int:
+        if not reading.is_set():  # the first read: the reader's, of pages 0 and 1
+            reading.set()
+            assert compacted.wait(WAIT_S), "the writer did not compact"
+        return real(fd, iovecs, offset, want)
+
+    monkeypatch.setattr(reader_module, "read_all", held)
+    box: dict[str, list[bool]] = {}
+    t = threading.Thread(target=lambda: box.setdefault("ok", served(r, H[:2])), daemon=True)
+    t.start()
+    assert reading.wait(WAIT_S), "the reader did not start reading"
+    assert put(w, H[16:17]) == [True]
+    assert not first.exists(), "deleted while the reader holds it"
+    compacted.set()
+    t.join(WAIT_S)
+    assert not t.is_alive()
+    assert box["ok"] == [True, True], "the read in flight got its pages (checked byte for byte)"
+    assert served(r, H[:2] + H[8:17]) == [True] * 11, "the reader moves to the copies"
+
+
+READER = """
+import sys, torch
+from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+PAGE = {page}
+H = page_hashes(range(4 * 64), Namespace("compaction-test", "bfloat16", 4, "page_first"))
+def expected(h):
+    g = torch.Generator().manual_seed(int(h[:15], 16))
+    return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
+def served(b, hashes):
+    out = list(torch.full((len(hashes), PAGE), 0xEE, dtype=torch.uint8).unbind(0))
+    ok = b.get([PoolTransfer("kv", hashes, out)]).ok["kv"]
+    wrong = sum(1 for h, o, k in zip(hashes, out, ok) if k and not torch.equal(o, expected(h)))
+    return sum(ok), wrong
+b = create_backend("file", root=sys.argv[1])
+print(*served(b, H[:17]), flush=True)  # before: every live page, through its descriptors
+sys.stdin.readline()
+print(*served(b, H[:17]), flush=True)  # after the other process compacted
+"""
+
+
+def test_another_process_reads_through_a_compaction(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    w, first = half_dead(root)
+    script = tmp_path / "reader.py"
+    script.write_text(textwrap.dedent(READER).format(page=PAGE))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(root)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        before = child.stdout.readline().split()
+        # The child opened the root after the damage: it reads pages 2-7 too and finds them bad.
+        assert before == ["10", "0"], (before, child.stderr.read() if not before else "")
+        assert put(w, H[16:17]) == [True]
+        assert not first.exists()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        after = child.stdout.readline().split()
+        assert after == ["11", "0"], after  # pages 0, 1 (copied), 8-15 and the new 16
+        assert child.wait(timeout=60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_read_descriptors_are_bounded(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    w = create_backend("file", root=root, segment_bytes=2 * RECORD)
+    for lo in range(0, 20, 2):
+        assert put(w, H[lo : lo + 2]) == [True, True]  # ten segments
+    r = create_backend("file", root=root, open_segments=3)
+    assert isinstance(r, SegmentBackend)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    assert served(r, H[:20]) == [True] * 20  # one batch over ten segments: all pinned at once
+    assert r.open_descriptors == 3, "the least recently used are closed after the read"
+    for _ in range(2):
+        assert served(r, H[:20:3]) == [True] * 7
+        assert r.open_descriptors == 3
+    assert len(os.listdir("/proc/self/fd")) - fds_before <= 3
+    r.close()
+    w.close()
+
+
+def test_a_failed_compaction_keeps_the_segment_and_the_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy cannot be appended (a full disk, say): the segment and its live records stay,
+    and the write that triggered the compaction still succeeds."""
+    root = tmp_path / "l3"
+    w, first = half_dead(root)
+    real = w._writer.append
+    calls = {"n": 0}
+
+    def append(keys: list[str], parts: list, lengths: list[int], time_ns: int = 0) -> list[bool]:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first call stores the page, the second is the compaction's
+            return [False] * len(keys)
+        return real(keys, parts, lengths, time_ns)
+
+    monkeypatch.setattr(w._writer, "append", append)
+    assert put(w, H[16:17]) == [True]
+    assert calls["n"] == 2, "compaction was attempted"
+    assert first.exists(), "the segment stays when its live records could not be copied"
+    assert served(w, H[:2] + H[8:17]) == [True] * 11
+    monkeypatch.undo()
+    assert put(w, H[17:18]) == [True]
+    assert not first.exists(), "the next write compacts it"
+    assert served(w, H[:2] + H[8:18]) == [True] * 12
