@@ -1,8 +1,8 @@
 """NVTX ranges for Nsight: one helper, one range per region.
 
 Uses the ``nvtx`` package when it is installed, else ``torch.cuda.nvtx``; with no CUDA it is a
-no-op. Ranges are named after the operation and its size, e.g. ``kvtier.d2h kv all page_first
-2.0MiB``, so a timeline reads without a legend.
+no-op. Ranges are named after the operation and its size, e.g. ``kvtier.d2h copy_engine all
+layer_first 2.0MiB``, so a timeline reads without a legend (and shows which path each copy took).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["annotate", "backend_name", "fmt_bytes", "nvtx_range"]
+__all__ = ["annotate", "backend_name", "copy_range_name", "fmt_bytes", "nvtx_range"]
 
 _F = TypeVar("_F", bound=Callable)
 
@@ -75,3 +75,9 @@ def fmt_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
     return f"{n}B"
+
+
+def copy_range_name(d2h: bool, path: str, layer: int | None, layout: str, nbytes: int) -> str:
+    """The range of one device-host copy: direction, path taken, layer(s), host layout, size."""
+    which = "all" if layer is None else f"layer{layer}"
+    return f"kvtier.{'d2h' if d2h else 'h2d'} {path} {which} {layout} {fmt_bytes(nbytes)}"

@@ -17,6 +17,7 @@ Indices are int64 tensors on the device pool's device: token slots (in page-alig
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,7 +28,7 @@ import triton.language as tl
 from kvtier.kernels.dispatch import Impl, debug_checks, select_impl
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer
 from kvtier.kernels.reference import ref_copy_kv
-from kvtier.nvtx import fmt_bytes, nvtx_range
+from kvtier.nvtx import copy_range_name, nvtx_range
 
 __all__ = ["DEFAULT_KNOBS", "TransferKnobs", "copy_device_to_host", "copy_host_to_device"]
 
@@ -203,18 +204,17 @@ def _check_index_values(
             )
 
 
-def _validate(
-    dev: DeviceBuffers,
-    host: HostBuffer,
-    dev_idx: torch.Tensor,
-    host_idx: torch.Tensor,
-    dev_name: str,
-    host_name: str,
-    layer: int | None,
-    unit: IndexUnit,
-    check: bool | None,
-    impl: str,
-) -> None:
+# Pool pairs whose own checks passed, per path: those checks (the pinned-memory one is a CUDA
+# call) are paid once per pair, not per copy. Entries hold weak references: a pool is never kept
+# alive by them, and an id reused by a new object never matches.
+_PAIRS_OK: dict[tuple[int, int, str], tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _validate_pair(dev: DeviceBuffers, host: HostBuffer, impl: str) -> None:
+    key = (id(dev), id(host), impl)
+    hit = _PAIRS_OK.get(key)
+    if hit is not None and hit[0]() is dev and hit[1]() is host:
+        return
     if host.item_shape is not None:
         if dev.dtype != host.dtype:
             raise ValueError(f"host: dtype {host.dtype} differs from the device pool's {dev.dtype}")
@@ -231,6 +231,31 @@ def _validate(
             f"host: {host.num_buffers} buffers x {host.num_layers} layers, device pool has "
             f"{dev.num_buffers} x {dev.num_layers}"
         )
+    if impl == "triton":
+        if host.tensor.device.type == "cpu" and not host.tensor.is_pinned():
+            raise ValueError("host: host tensor must be pinned memory on the GPU path")
+        if dev.base.device.type == "cpu" and not all(t.is_pinned() for b in dev.layers for t in b):
+            raise ValueError("dev: host tensors reached from the GPU must be pinned memory")
+    if host.tensor.device.type != "cpu" and host.tensor.device != dev.device:
+        raise ValueError(f"host: tensor on {host.tensor.device}, kernels run on {dev.device}")
+    if len(_PAIRS_OK) >= 256:
+        _PAIRS_OK.clear()
+    _PAIRS_OK[key] = (weakref.ref(dev), weakref.ref(host))
+
+
+def _validate(
+    dev: DeviceBuffers,
+    host: HostBuffer,
+    dev_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    dev_name: str,
+    host_name: str,
+    layer: int | None,
+    unit: IndexUnit,
+    check: bool | None,
+    impl: str,
+) -> None:
+    _validate_pair(dev, host, impl)
     if layer is not None and not 0 <= layer < dev.num_layers:
         raise ValueError(f"layer: {layer} outside [0, {dev.num_layers})")
     if unit not in ("token", "page"):
@@ -241,17 +266,94 @@ def _validate(
         raise ValueError(
             f"{dev_name} has {dev_idx.numel()} entries but {host_name} has {host_idx.numel()}"
         )
-    if impl == "triton":
-        if host.tensor.device.type == "cpu" and not host.tensor.is_pinned():
-            raise ValueError("host: host tensor must be pinned memory on the GPU path")
-        if dev.base.device.type == "cpu" and not all(t.is_pinned() for b in dev.layers for t in b):
-            raise ValueError("dev: host tensors reached from the GPU must be pinned memory")
-    if host.tensor.device.type != "cpu" and host.tensor.device != dev.device:
-        raise ValueError(f"host: tensor on {host.tensor.device}, kernels run on {dev.device}")
     if check if check is not None else debug_checks():
         P = host.page_size
         _check_index_values(dev_idx, dev_name, dev.num_slots, P, unit)
         _check_index_values(host_idx, host_name, host.num_slots, P, unit)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What a launch derives from its pool pair, direction, index unit, scope and knobs alone:
+    the word views and every constant argument. Cached (:func:`_prepared`), so that a call
+    only computes its size-dependent arguments and launches. The entry refers to its pair
+    weakly and is dropped when either side is collected (its word views would otherwise keep a
+    freed pool's memory alive)."""
+
+    dev: weakref.ref
+    host: weakref.ref
+    dev_words: torch.Tensor
+    host_words: torch.Tensor
+    chunks: int
+    block_r: int
+    args: tuple  # host strides and the device slot stride, in vectors
+    meta: dict  # the kernel's constexprs and num_warps
+
+
+_PREPARED: dict[tuple, _Prepared] = {}
+_PREPARED_MAX = 256  # pools x directions x scopes of a process: far below this
+
+
+def _prepared(
+    dev: DeviceBuffers, host: HostBuffer, tpi: int, d2h: bool, knobs: TransferKnobs
+) -> _Prepared:
+    key = (id(dev), id(host), tpi, d2h, knobs)
+    hit = _PREPARED.get(key)
+    if hit is not None and hit.dev() is dev and hit.host() is host:
+        return hit
+    w = min(dev.table_unit, host.align)
+    elem = min(w, 8)
+    word = _WORD_DTYPE[elem]
+    vec = w // elem
+    item_words = host.item_bytes // elem
+    # Chunk width: the largest power of two dividing the item, capped by the tile.
+    tile_words = max(knobs.tile_bytes // elem, vec)
+    block_w = min(item_words & -item_words, tile_words)
+    # Rows per tile depend on the item and the knobs only, never on the transfer's size: one
+    # compiled variant per pool and direction (a small transfer masks the rows it lacks).
+    block_r = max(1, tile_words // block_w)
+
+    def as_words(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        # Bytes first, then whole words: a view of the caller's memory, never a copy.
+        raw = t.view(-1).view(torch.uint8)[offset:]
+        return raw[: raw.numel() // elem * elem].view(word)
+
+    prep = _Prepared(
+        dev=weakref.ref(dev),
+        host=weakref.ref(host),
+        dev_words=as_words(dev.base),
+        host_words=as_words(host.tensor, host.offset),
+        chunks=item_words // block_w,
+        block_r=block_r,
+        args=(
+            host.stride_buffer // w,
+            host.stride_page // w,
+            host.stride_token // w,
+            host.stride_layer // w,
+            dev.item_bytes // w,
+        ),
+        meta=dict(
+            D2H=d2h,
+            TOKENS_PER_INDEX=tpi,
+            CHUNKS=item_words // block_w,
+            VEC=vec,
+            TABLE_SCALE=dev.table_unit // w,
+            BLOCK_R=block_r,
+            BLOCK_W=block_w,
+            num_warps=knobs.num_warps,
+        ),
+    )
+    if len(_PREPARED) >= _PREPARED_MAX:
+        _PREPARED.clear()
+    _PREPARED[key] = prep
+    for owner in (dev, host):  # the finalizers hold the key only, never the views
+        weakref.finalize(owner, _forget, key, id(prep))
+    return prep
+
+
+def _forget(key: tuple, prep_id: int) -> None:
+    if id(_PREPARED.get(key)) == prep_id:
+        del _PREPARED[key]
 
 
 def _launch(
@@ -268,34 +370,15 @@ def _launch(
     n_tokens = dev_idx.numel() * tpi
     if n_tokens == 0:
         return
-    w = min(dev.table_unit, host.align)
-    elem = min(w, 8)
-    word = _WORD_DTYPE[elem]
-    vec = w // elem
-    item_words = host.item_bytes // elem
-
-    # Chunk width: the largest power of two dividing the item, capped by the tile.
-    tile_words = max(knobs.tile_bytes // elem, vec)
-    block_w = min(item_words & -item_words, tile_words)
-    chunks = item_words // block_w
-    n_rows = n_tokens * chunks
-    # Rows per tile depend on the item and the knobs only, never on the transfer's size: one
-    # compiled variant per pool and direction (a small transfer masks the rows it lacks).
-    block_r = max(1, tile_words // block_w)
-    n_tiles_r = triton.cdiv(n_rows, block_r)
+    prep = _prepared(dev, host, tpi, d2h, knobs)
+    n_rows = n_tokens * prep.chunks
+    n_tiles_r = triton.cdiv(n_rows, prep.block_r)
     n_sel = 1 if layer is not None else dev.num_layers
     num_tiles = dev.num_buffers * n_sel * n_tiles_r
-    grid = (min(knobs.num_programs, num_tiles),)
-
-    def as_words(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        # Bytes first, then whole words: a view of the caller's memory, never a copy.
-        raw = t.view(-1).view(torch.uint8)[offset:]
-        return raw[: raw.numel() // elem * elem].view(word)
-
-    _kv_copy_kernel[grid](
-        as_words(dev.base),
+    _kv_copy_kernel[(min(knobs.num_programs, num_tiles),)](
+        prep.dev_words,
         dev.table,
-        as_words(host.tensor, host.offset),
+        prep.host_words,
         dev_idx,
         host_idx,
         n_rows,
@@ -303,21 +386,10 @@ def _launch(
         0 if layer is None else layer,
         n_sel,
         host.page_size,
-        host.stride_buffer // w,
-        host.stride_page // w,
-        host.stride_token // w,
-        host.stride_layer // w,
-        dev.item_bytes // w,
+        *prep.args,
         n_tiles_r,
         num_tiles,
-        D2H=d2h,
-        TOKENS_PER_INDEX=tpi,
-        CHUNKS=chunks,
-        VEC=vec,
-        TABLE_SCALE=dev.table_unit // w,
-        BLOCK_R=block_r,
-        BLOCK_W=block_w,
-        num_warps=knobs.num_warps,
+        **prep.meta,
     )
 
 
@@ -346,11 +418,8 @@ def _transfer(
     n_sel = 1 if layer is not None else dev.num_layers
     tpi = host.page_size if unit == "page" else 1
     nbytes = dev_idx.numel() * tpi * dev.num_buffers * n_sel * dev.item_bytes
-    name = (
-        f"kvtier.{'d2h' if d2h else 'h2d'} "
-        f"{'all' if layer is None else f'layer{layer}'} {host.layout.value if host.layout else 'strided'} {fmt_bytes(nbytes)}"
-    )
-    with nvtx_range(name):
+    layout = host.layout.value if host.layout else "strided"
+    with nvtx_range(copy_range_name(d2h, path, layer, layout, nbytes)):
         if path == "torch":
             ref_copy_kv(dev, host, dev_idx, host_idx, d2h=d2h, layer=layer, index_unit=unit)
         elif path == "interpreter" or dev.device.type != "cuda":

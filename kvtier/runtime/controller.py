@@ -1,10 +1,18 @@
 """The cache controller: issues the copies the tree's books call for, and acknowledges them.
 
-- Backup (D→H) runs on a dedicated write stream, all layers in one launch per pool, after the
-  compute stream has produced the data.
+- Backup (D→H) runs on a dedicated write stream, all layers in one call per pool (one batched
+  copy-engine call or one kernel launch), after the compute stream has produced the data.
 - Load (H→D) is queued by ``load_back`` and started once per batch by ``start_loading``: layer by
   layer on a dedicated load stream, with one event per layer, so the forward pass can wait for
-  layer N while layer N+1 is still loading (``wait_layer``).
+  layer N while layer N+1 is still loading (``wait_layer``). Its descriptors (or device-side
+  indices) are built once per batch, before the first layer is issued.
+- Each pool's copies go through its :class:`~kvtier.kernels.copier.HostCopier`, which picks the
+  copy engine or the kernel per transfer (``io_backend``); the path and the reason are counted in
+  :class:`TransferStats`.
+- A batch with copy-engine plans is enqueued by a worker thread (:class:`IssueWorker`): the
+  driver's cost per descriptor then stays off the scheduler's thread. ``wait_layer(i)`` first
+  waits (on the CPU) until step ``i`` is enqueued, then makes the stream wait for its event;
+  ``poll`` acknowledges an operation only once all of it is enqueued.
 - Index tensors, host pins and device locks of an operation live until its completion event has
   fired and the operation is acknowledged in ``poll``; only then are its books released.
 - With tensor-parallel ranks, each ``poll`` makes exactly one fixed-size all-reduce (MIN) on a CPU
@@ -20,19 +28,33 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.kernels.copier import CopyPlan, HostCopier, IssueWorker, Ticket
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.tp import all_reduce_max, all_reduce_min
 from kvtier.runtime.tree.node import TreeNode
 from kvtier.runtime.tree.tree import UnifiedRadixTree
 from kvtier.runtime.tree.types import Backup, LoadBack
 
-__all__ = ["CacheController", "PoolBinding", "TransferStats"]
+__all__ = ["BoundCopier", "CacheController", "PoolBinding", "TransferStats"]
+
+
+@dataclass(frozen=True)
+class BoundCopier:
+    """One pool pair a binding moves.
+
+    ``layers`` maps the layer of a load step (what ``PoolBinding.load`` receives) to the pair's
+    own layer, and a step whose layer is missing moves nothing of this pair (a sidecar that
+    holds only some layers); None: the same numbers. ``index_group`` lives in the copier.
+    """
+
+    copier: HostCopier
+    layers: Mapping[int, int] | None = None
 
 
 @dataclass
@@ -41,10 +63,14 @@ class PoolBinding:
 
     Attributes:
         name: the tree's pool name ("kv", "swa", "mamba").
-        backup: ``(device_idx, host_idx) -> None``: D→H of all layers.
-        load: ``(host_idx, device_idx, layer) -> None``: H→D of one pool-local layer.
+        backup: ``(device_idx, host_idx) -> None``: D→H of all layers, kernel path, indices on
+            the device (used where ``copiers`` is empty, and by ``warmup``).
+        load: ``(host_idx, device_idx, layer) -> None``: H→D of one pool-local layer, likewise.
         bytes_per_index: bytes moved per index across all layers (for the counters).
         num_layers: pool-local layers.
+        copiers: the pool pairs this binding moves, each on the path its ``io_backend`` picks
+            (the anchor pool, then the sidecars' pages that ride along); they take the tree's
+            CPU indices. Empty: ``backup``/``load`` carry the copies.
     """
 
     name: str
@@ -52,6 +78,7 @@ class PoolBinding:
     load: Callable[[torch.Tensor, torch.Tensor, int], object]
     bytes_per_index: int
     num_layers: int
+    copiers: tuple[BoundCopier, ...] = ()
 
 
 @dataclass
@@ -63,6 +90,10 @@ class TransferStats:
     if the GPU outruns the launching CPU, are inside); on CPU, the synchronous copy's wall
     time. ``*_ack_seconds`` is the latency a scheduler sees: from submission to the ``poll``
     that acknowledged the copy, summed over ``*_acked`` copies.
+
+    ``paths`` counts planned copies (one per pool pair per backup or load batch) by
+    ``"<d2h|h2d>.<path>"`` (``copy_engine``, ``triton``, ``interpreter``, ``torch``);
+    ``route_reasons`` counts them by :class:`~kvtier.kernels.dispatch.RouteReason` value.
     """
 
     d2h_bytes: int = 0
@@ -79,6 +110,14 @@ class TransferStats:
     h2d_acked: int = 0
     d2h_timed_bytes: int = 0
     h2d_timed_bytes: int = 0
+    paths: dict[str, int] = field(default_factory=dict)
+    route_reasons: dict[str, int] = field(default_factory=dict)
+
+    def count_plan(self, plan: CopyPlan) -> None:
+        key = f"{'d2h' if plan.d2h else 'h2d'}.{plan.route.path}"
+        self.paths[key] = self.paths.get(key, 0) + 1
+        reason = plan.route.reason.value
+        self.route_reasons[reason] = self.route_reasons.get(reason, 0) + 1
 
     def gbps(self, direction: str) -> float:
         """Bytes over the copies' own time (``"d2h"`` or ``"h2d"``); 0 before any was timed."""
@@ -97,6 +136,10 @@ class _Op:
     nbytes: int = 0
     layer_events: list[torch.cuda.Event | None] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
+    ticket: Ticket | None = None  # enqueued by the worker: its events exist once it is done
+
+    def enqueued(self) -> bool:
+        return self.ticket is None or self.ticket.done()
 
 
 class CacheController:
@@ -105,7 +148,8 @@ class CacheController:
     Args:
         tree: the tree whose books drive the copies.
         bindings: one :class:`PoolBinding` per tree pool name that has a host tier.
-        layer_map: for each model layer, ``(pool name, pool-local layer)``.
+        layer_map: the load steps in order, ``(pool name, layer)``: step ``i`` loads ``layer``
+            through ``bindings[pool]`` and records event ``i`` (``wait_layer(i)``).
         device: where the device pools live.
         tp_group: a CPU (gloo) process group whose ranks must agree on acks, or None.
         ack_delay_steps: acknowledge an operation only after this many ``poll`` calls since it
@@ -142,6 +186,16 @@ class CacheController:
         self._untimed: deque[_Op] = deque()  # write-back copies, acknowledged at once: timed later
         self._step = 0
         self.on_backup_done = on_backup_done
+        self._worker = IssueWorker() if self.cuda else None
+        # Enqueue copy-engine batches from the worker thread (False: inline, as kernels are).
+        self.offload_enqueue = True
+
+    def bind_backup_done(
+        self, on_backup_done: Callable[[Backup, torch.cuda.Event | None], None] | None
+    ) -> None:
+        """Report acknowledged backups to ``on_backup_done`` from now on (L3 attached or
+        detached at run time); None: to no one."""
+        self.on_backup_done = on_backup_done
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -157,6 +211,19 @@ class CacheController:
 
     def _event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event(enable_timing=True) if self.cuda else None
+
+    def _on(self, stream: torch.cuda.Stream | None) -> AbstractContextManager:
+        """Issue on ``stream`` from whichever thread runs this (no-op on CPU)."""
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    def _offload(self, plans: list[CopyPlan]) -> bool:
+        """Whether a batch is enqueued by the worker: it has copy-engine plans (whose enqueue
+        costs the CPU about 1 µs per descriptor) and the worker is on."""
+        return (
+            self._worker is not None
+            and self.offload_enqueue
+            and any(p.route.path == "copy_engine" for p in plans)
+        )
 
     # -- backup (D→H) ------------------------------------------------------------------------
 
@@ -176,21 +243,53 @@ class CacheController:
             start = self._event()
             t0 = time.perf_counter()
             with self._after_compute(self.write_stream):
-                # Indices first, so that the timed span holds the copies alone.
-                idx = [
-                    (t, self._to_device(t.device_indices), self._to_device(t.host_indices))
-                    for t in books.transfers
-                ]
-                if start is not None:
-                    start.record()
-                for t, d, h in idx:
+                # Plans (descriptors, device-side indices) first, so that the timed span holds
+                # the copies alone.
+                plans: list[CopyPlan] = []
+                idx = []
+                for t in books.transfers:
                     b = self.bindings[t.pool]
-                    keep += [d, h]
-                    b.backup(d, h)
                     nbytes += t.device_indices.numel() * b.bytes_per_index
+                    if b.copiers:
+                        plans += [
+                            c.copier.plan(
+                                t.device_indices,
+                                t.host_indices,
+                                d2h=True,
+                                per_layer=False,
+                                check=False,  # the tree's own allocators made them
+                            )
+                            for c in b.copiers
+                        ]
+                    else:
+                        idx.append(
+                            (b, self._to_device(t.device_indices), self._to_device(t.host_indices))
+                        )
+                for p in plans:
+                    keep += p.keep
+                    self.stats.count_plan(p)
+                keep += [t for _, d, h in idx for t in (d, h)]
                 event = self._event()
-                if event is not None:
-                    event.record()
+                stream = self.write_stream
+
+                def enqueue(ticket: Ticket | None = None) -> None:
+                    with self._on(stream):
+                        if start is not None:
+                            start.record()
+                        for p in plans:
+                            p.issue()
+                        for b, d, h in idx:
+                            b.backup(d, h)
+                        if event is not None:
+                            event.record()
+                    if ticket is not None:
+                        ticket.advance()
+
+                ticket = None
+                if not wait and self._offload(plans):
+                    ticket = self._worker.submit(enqueue, 1)
+                else:
+                    enqueue()
         self.stats.backups += 1
         self.stats.d2h_bytes += nbytes
         if not self.cuda:  # synchronous copies: the host clock times them
@@ -210,7 +309,8 @@ class CacheController:
             if self.on_backup_done is not None:
                 self.on_backup_done(books, event)
             return True
-        self._backups.append(_Op("backup", books, event, keep, self._step, start, nbytes))
+        op = _Op("backup", books, event, keep, self._step, start, nbytes, ticket=ticket)
+        self._backups.append(op)
         return True
 
     # -- load (H→D) --------------------------------------------------------------------------
@@ -237,27 +337,56 @@ class CacheController:
                 d, h = merged.setdefault(t.pool, ([], []))
                 d.append(t.device_indices)
                 h.append(t.host_indices)
-        idx = {
-            pool: (self._to_device(torch.cat(d)), self._to_device(torch.cat(h)))
-            for pool, (d, h) in merged.items()
-        }
-        nbytes = sum(d.numel() * self.bindings[p].bytes_per_index for p, (d, _) in idx.items())
-        events: list[torch.cuda.Event | None] = []
+        cpu_idx = {pool: (torch.cat(d), torch.cat(h)) for pool, (d, h) in merged.items()}
+        nbytes = sum(d.numel() * self.bindings[p].bytes_per_index for p, (d, _) in cpu_idx.items())
+        events = [self._event() for _ in self.layer_map]
         start = self._event()
         t0 = time.perf_counter()
+        plans: dict[str, list[tuple[BoundCopier, CopyPlan]]] = {}
+        idx: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         with self._after_compute(self.load_stream):
-            if start is not None:
-                start.record()
-            for layer, (pool, pool_layer) in enumerate(self.layer_map):
-                if pool in idx:
-                    d, h = idx[pool]
-                    with nvtx_range(f"kvtier.load layer{layer} {pool}"):
-                        self.bindings[pool].load(h, d, pool_layer)
-                ev = self._event()
-                if ev is not None:
-                    ev.record()
-                events.append(ev)
+            # Every layer's descriptors (or the device-side indices) once per batch, before the
+            # first layer is issued: the per-layer issue is then one call per pool pair.
+            for pool, (d, h) in cpu_idx.items():
+                copiers = self.bindings[pool].copiers
+                if copiers:
+                    plans[pool] = [
+                        (c, c.copier.plan(d, h, d2h=False, per_layer=True, check=False))
+                        for c in copiers
+                    ]
+                else:
+                    idx[pool] = (self._to_device(d), self._to_device(h))
+            stream = self.load_stream
+
+            def enqueue(ticket: Ticket | None = None) -> None:
+                with self._on(stream):
+                    if start is not None:
+                        start.record()
+                    for (pool, layer), ev in zip(self.layer_map, events):
+                        with nvtx_range(f"kvtier.load layer{layer} {pool}"):
+                            for c, p in plans.get(pool, ()):
+                                own = layer if c.layers is None else c.layers.get(layer)
+                                if own is not None:
+                                    p.issue(own)
+                            if pool in idx:
+                                d, h = idx[pool]
+                                self.bindings[pool].load(h, d, layer)
+                        if ev is not None:
+                            ev.record()
+                        if ticket is not None:
+                            ticket.advance()
+
+            all_plans = [p for pool_plans in plans.values() for _, p in pool_plans]
+            ticket = None
+            if self._offload(all_plans):
+                ticket = self._worker.submit(enqueue, len(self.layer_map))
+            else:
+                enqueue()
         keep = [t for pair in idx.values() for t in pair]
+        for pool_plans in plans.values():
+            for _, p in pool_plans:
+                keep += p.keep
+                self.stats.count_plan(p)
         self.stats.loads += len(loads)
         self.stats.h2d_bytes += nbytes
         if not self.cuda:
@@ -273,6 +402,7 @@ class CacheController:
                 start,
                 nbytes,
                 events,
+                ticket=ticket,
             )
         )
         return True
@@ -284,6 +414,9 @@ class CacheController:
         Not only this batch's: a load-back marks its nodes on-device when it is queued, so a
         later request can hit them while an earlier batch's copy is still in flight.
         """
+        for op in self._loads:
+            if op.ticket is not None:
+                op.ticket.wait(layer + 1)  # until step ``layer`` is enqueued: its event exists
         if not self.cuda:
             return
         stream = torch.cuda.current_stream(self.device)
@@ -298,6 +431,8 @@ class CacheController:
         n = 0
         for op in queue:
             if self._step - op.issued_step < self.ack_delay_steps:
+                break
+            if not op.enqueued():  # an event not yet recorded would query as complete
                 break
             if op.event is not None and not op.event.query():
                 break
@@ -369,6 +504,9 @@ class CacheController:
         if self._queued:
             self.start_loading()
         while True:
+            for op in (*self._backups, *self._loads):
+                if op.ticket is not None:
+                    op.ticket.wait()
             if self.cuda:
                 torch.cuda.synchronize(self.device)
             self.poll()

@@ -6,12 +6,14 @@ the reference's byte for byte, and every slot that was not addressed must still 
 
 from __future__ import annotations
 
+import gc
+import weakref
 import zlib
 
 import pytest
 import torch
 
-from kvtier.kernels import copy_device_to_host, copy_host_to_device
+from kvtier.kernels import copy_device_to_host, copy_host_to_device, kv_transfer
 from kvtier.kernels.reference import host_byte_view
 from tests.kernels.helpers import (
     DTYPES,
@@ -175,3 +177,18 @@ def test_round_trip_across_layouts(P, device):
                 got = dst.layers[b][l][pages_to_slots(out_pages, P).to(device)]
                 want = src.layers[b][l][pages_to_slots(dev_pages, P).to(device)]
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (layout, b, l)
+
+
+def test_launch_cache_keeps_no_pool_alive(device):
+    """The per-pair launch cache must not hold a freed pool's memory."""
+    dev, host, dev_pages, host_pages = _setup(
+        "mha", "layers", "layer_first", 4, DTYPES["bf16"], 8, device, 3
+    )
+    d, h = pages_to_slots(dev_pages, 4).to(device), pages_to_slots(host_pages, 4).to(device)
+    copy_device_to_host(dev, host, d, h)
+    copy_device_to_host(dev, host, d, h)  # the second call takes the cached entry
+    assert any(k[:2] == (id(dev), id(host)) for k in kv_transfer._PREPARED), "cache unused"
+    host_mem, dev_mem = weakref.ref(host.tensor), weakref.ref(dev.base)
+    del dev, host
+    gc.collect()
+    assert host_mem() is None and dev_mem() is None

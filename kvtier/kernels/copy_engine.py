@@ -1,0 +1,312 @@
+"""The copy-engine path: ``cudaMemcpyBatchAsync`` of whole (buffer, page, layer) chunks.
+
+A copy kernel moves bytes with SMs, and beside a forward pass it gets SMs only between the
+model's kernels (issue #12: a per-layer load ran at 14 GB/s instead of 50 next to a GEMM loop,
+and an all-layer backup slowed the GEMMs by 24-45%). The copy engines need no SM. They are fed
+a batch of ``(src, dst, size)`` descriptors, one per chunk that is contiguous on both sides:
+
+    device  chunk (b, page d, layer l) = layers[b][l].data_ptr() + d * P * I       (P * I bytes)
+    host    chunk (b, page h, layer l) = data_ptr + offset + b * s_buf + h * s_page + l * s_layer
+
+which is one range exactly when the host layout keeps a page's tokens of one layer adjacent
+(``stride_token == item_bytes``: ``layer_first``, ``page_first_direct``, flat layer-major page
+objects; any layout at ``P == 1``). ``page_first`` interleaves layers inside a page, so it stays
+on the kernel. Descriptors come from the same four byte strides the Triton kernel takes
+(:class:`~kvtier.kernels.layout.HostBuffer`), built with numpy for a whole batch at once, and
+adjacent chunks (consecutive pages on both sides) are merged into one.
+
+Needs CUDA >= 12.8 (driver and runtime) and ``cuda-bindings`` (``pip install kvtier[cuda]``).
+The call rejects the legacy default stream. :func:`engine_support` says whether the path can
+run and, if not, why; :class:`HostCopier` falls back to the kernel with that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.kernels.layout import DeviceBuffers, HostBuffer
+
+__all__ = [
+    "MIN_CUDA_VERSION",
+    "ChunkGeometry",
+    "Descriptors",
+    "EngineSupport",
+    "batch_call_kind",
+    "build_descriptors",
+    "engine_support",
+    "memcpy_batch",
+]
+
+# cudaMemcpyBatchAsync appeared in CUDA 12.8 (encoded as 1000 * major + 10 * minor).
+MIN_CUDA_VERSION = 12080
+
+
+def _import_cudart() -> Any:
+    """The ``cuda.bindings.runtime`` module (a seam: tests replace it to fake a machine)."""
+    from cuda.bindings import runtime
+
+    return runtime
+
+
+def _version_str(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+@dataclass(frozen=True)
+class EngineSupport:
+    """Whether the copy-engine path can run on a device; ``reason`` says why not."""
+
+    ok: bool
+    reason: str = ""
+
+
+def engine_support(device: torch.device) -> EngineSupport:
+    """Probe the copy-engine path for ``device``: CUDA, cuda-bindings, and CUDA >= 12.8."""
+    if device.type != "cuda":
+        return EngineSupport(False, f"no CUDA: the device pool is on {device}")
+    try:
+        rt = _import_cudart()
+    except ImportError as e:
+        return EngineSupport(False, f"cuda-bindings is not installed ({e})")
+    if not hasattr(rt, "cudaMemcpyBatchAsync"):
+        return EngineSupport(False, "cuda-bindings has no cudaMemcpyBatchAsync (needs >= 12.8)")
+    for what, fn in (("driver", rt.cudaDriverGetVersion), ("runtime", rt.cudaRuntimeGetVersion)):
+        err, version = fn()
+        if int(err) != 0:
+            return EngineSupport(False, f"cannot read the CUDA {what} version (error {int(err)})")
+        if version < MIN_CUDA_VERSION:
+            return EngineSupport(
+                False,
+                f"the CUDA {what} is {_version_str(version)}; cudaMemcpyBatchAsync needs "
+                f"{_version_str(MIN_CUDA_VERSION)}",
+            )
+    return EngineSupport(True)
+
+
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """Where each (buffer, page, layer) chunk of a device/host buffer pair lives, in bytes.
+
+    Built once per pool pair (:meth:`of`); :func:`build_descriptors` turns page ids into
+    descriptors with it. ``contiguous`` is False when a chunk is not one range on the host.
+    """
+
+    dev_addr: np.ndarray  # int64 [B, L]: data_ptr of layers[b][l]
+    host_addr: int  # address of slot 0 of buffer 0, layer 0
+    stride_buffer: int
+    stride_page: int
+    stride_layer: int
+    chunk_bytes: int  # P * item_bytes, the same on both sides
+    page_size: int
+    contiguous: bool
+
+    @classmethod
+    def of(cls, dev: DeviceBuffers, host: HostBuffer) -> ChunkGeometry:
+        P, item = host.page_size, host.item_bytes
+        return cls(
+            dev_addr=np.array([[t.data_ptr() for t in buf] for buf in dev.layers], dtype=np.int64),
+            host_addr=host.tensor.data_ptr() + host.offset,
+            stride_buffer=host.stride_buffer,
+            stride_page=host.stride_page,
+            stride_layer=host.stride_layer,
+            chunk_bytes=P * item,
+            page_size=P,
+            contiguous=P == 1 or host.stride_token == item,
+        )
+
+    @property
+    def num_buffers(self) -> int:
+        return self.dev_addr.shape[0]
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    """A batch of copies, grouped by layer: group ``g`` is entries ``offsets[g]:offsets[g+1]``.
+
+    Attributes:
+        src, dst: int64 addresses; sizes: int64 bytes (merged chunks are multiples of one).
+        offsets: int64 ``[len(layers) + 1]``.
+        layers: the layers the batch covers: group ``g`` is layer ``layers[g]`` when built
+            ``per_layer``; otherwise there is one group holding all of them (a backup).
+    """
+
+    src: np.ndarray
+    dst: np.ndarray
+    sizes: np.ndarray
+    offsets: np.ndarray
+    layers: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def group(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[g]), int(self.offsets[g + 1])
+        return self.src[a:b], self.dst[a:b], self.sizes[a:b]
+
+
+def build_descriptors(
+    geom: ChunkGeometry,
+    dev_pages: np.ndarray,
+    host_pages: np.ndarray,
+    *,
+    d2h: bool,
+    layers: Sequence[int],
+    per_layer: bool,
+) -> Descriptors:
+    """Descriptors moving device page ``dev_pages[i]`` to/from host page ``host_pages[i]``.
+
+    Pairs where either side is ``-1`` are skipped. ``per_layer``: one group per layer in
+    ``layers`` (a layer-by-layer load); otherwise one group for all of them (a backup).
+    Within a group, entries run layer-major, then buffer, then page, and a chunk that continues
+    the previous one on both sides is merged into it.
+    """
+    if not geom.contiguous:
+        raise ValueError("host: chunks are not contiguous in this layout; use the kernel path")
+    keep = (dev_pages >= 0) & (host_pages >= 0)
+    dp = dev_pages[keep].astype(np.int64, copy=False)
+    hp = host_pages[keep].astype(np.int64, copy=False)
+    lay = np.asarray(layers, dtype=np.int64)
+    B, n, c = geom.num_buffers, dp.size, geom.chunk_bytes
+    # [layer, buffer, page]: the device side from each tensor's address, the host side from
+    # the four strides (the same description the Triton kernel computes offsets from).
+    dev = geom.dev_addr[:, lay].T[:, :, None] + (dp * c)[None, None, :]
+    host = (
+        geom.host_addr
+        + (lay * geom.stride_layer)[:, None, None]
+        + (np.arange(B, dtype=np.int64) * geom.stride_buffer)[None, :, None]
+        + (hp * geom.stride_page)[None, None, :]
+    )
+    src, dst = (dev, host) if d2h else (host, dev)
+    src, dst = src.reshape(-1), dst.reshape(-1)
+    m = src.size
+    row = B * n if per_layer else m
+    starts = np.ones(m, dtype=bool)
+    if m > 1:
+        starts[1:] = (src[1:] != src[:-1] + c) | (dst[1:] != dst[:-1] + c)
+    starts[:: row or 1] = True  # a group never continues the previous one
+    first = np.flatnonzero(starts)
+    sizes = np.diff(np.append(first, m)) * c
+    n_groups = len(lay) if per_layer else 1
+    offsets = np.searchsorted(first, np.arange(n_groups + 1, dtype=np.int64) * row)
+    return Descriptors(
+        src=src[first],
+        dst=dst[first],
+        sizes=sizes.astype(np.int64, copy=False),
+        offsets=offsets.astype(np.int64, copy=False),
+        layers=tuple(int(x) for x in lay),
+    )
+
+
+class _BatchCall:
+    """``cudaMemcpyBatchAsync`` with a reusable attribute, called one of two ways.
+
+    Copies are stream-ordered on the source (the data was produced by earlier work on the
+    stream's dependencies) and flagged to prefer overlapping with compute.
+
+    cuda-bindings takes Python lists and builds a helper object per pointer: 0.3-1 µs per
+    descriptor, 32 ms for a 32768-chunk backup (issue #12 measured 50 ms). Where torch's own CUDA
+    runtime is 13 or newer (the signature cuda-bindings 13 describes), the same function is
+    called through ctypes with the numpy arrays' buffers instead, at a fixed cost per call; the
+    attribute is still cuda-bindings' struct. ``KVTIER_COPY_ENGINE_DIRECT=0`` turns that off.
+    """
+
+    def __init__(self) -> None:
+        rt = _import_cudart()
+        attr = rt.cudaMemcpyAttributes()
+        attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        attr.flags = rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute
+        self.rt = rt
+        self.attrs = [attr]
+        self.attr_idx = np.zeros(1, dtype=np.uint64)
+        self.direct, self.how = _direct_entry()
+
+    def __call__(self, dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        n = len(sizes)
+        if self.direct is not None:
+            err = self.direct(
+                dst.ctypes.data,
+                src.ctypes.data,
+                sizes.ctypes.data,
+                n,
+                self.attrs[0].getPtr(),
+                self.attr_idx.ctypes.data,
+                1,
+                stream,
+            )
+            out: object = err
+        else:
+            rt = self.rt
+            out = rt.cudaMemcpyBatchAsync(
+                dst.tolist(),
+                src.tolist(),
+                sizes.tolist(),
+                n,
+                self.attrs,
+                [0],
+                1,
+                rt.cudaStream_t(stream),
+            )
+            # cuda-bindings 12.x also returns the index of a failed copy; 13.x only the error.
+            err = int(out[0] if isinstance(out, tuple) else out)
+        if err != 0:
+            _, name = self.rt.cudaGetErrorName(self.rt.cudaError_t(err))
+            raise RuntimeError(
+                f"cudaMemcpyBatchAsync of {n} copies ({self.how}) failed: {name.decode()} "
+                f"(result {out!r})"
+            )
+
+
+def _direct_entry() -> tuple[Any, str]:
+    """torch's ``cudaMemcpyBatchAsync`` through ctypes, or None; and which call is used."""
+    if os.environ.get("KVTIER_COPY_ENGINE_DIRECT", "1") in ("0", "false", "False"):
+        return None, "cuda-bindings (KVTIER_COPY_ENGINE_DIRECT=0)"
+    major = int((torch.version.cuda or "0").split(".")[0])
+    if major < 13:  # 12.8/12.9 have an extra failIdx argument: stay on cuda-bindings
+        return None, f"cuda-bindings (torch's CUDA runtime is {torch.version.cuda})"
+    try:
+        # Already loaded by torch: dlopen finds it by its soname.
+        lib = ctypes.CDLL(f"libcudart.so.{major}")
+        fn = lib.cudaMemcpyBatchAsync
+    except (OSError, AttributeError) as e:
+        return None, f"cuda-bindings (no direct entry: {e})"
+    version = ctypes.c_int(0)
+    if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 13000:
+        return None, f"cuda-bindings (torch's CUDA runtime reports {version.value})"
+    fn.restype = ctypes.c_int
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    fn.argtypes = [vp, vp, vp, sz, vp, vp, sz, vp]
+    return fn, f"ctypes (libcudart.so.{major}, runtime {_version_str(version.value)})"
+
+
+_CALL: _BatchCall | None = None
+
+
+def batch_call_kind() -> str:
+    """How batches are enqueued here: "ctypes (...)" or "cuda-bindings (...)" (needs CUDA)."""
+    global _CALL
+    if _CALL is None:
+        _CALL = _BatchCall()
+    return _CALL.how
+
+
+def memcpy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+    """Enqueue one batch on ``stream`` (a raw ``cudaStream_t``, never the legacy default 0).
+
+    ``dst``, ``src``: int64 addresses; ``sizes``: int64 bytes; contiguous, of equal length.
+    """
+    global _CALL
+    if not len(sizes):
+        return
+    if stream == 0:
+        raise ValueError("stream: cudaMemcpyBatchAsync rejects the legacy default stream")
+    if _CALL is None:
+        _CALL = _BatchCall()
+    _CALL(dst, src, sizes, stream)
