@@ -57,8 +57,7 @@ class HybridModelConfig:
         bad = [k for k in self.layer_kinds if k not in _KINDS]
         if bad:
             raise ValueError(f"layer_kinds: unknown kinds {bad}, expected one of {_KINDS}")
-        if "full" not in self.layer_kinds:
-            raise ValueError("layer_kinds: need at least one 'full' layer")
+        self._check_anchor()
         for name in ("vocab", "hidden", "q_heads", "kv_heads", "head_dim", "ffn"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -76,6 +75,12 @@ class HybridModelConfig:
                     raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
             if self.mamba_kernel < 2:
                 raise ValueError(f"mamba_kernel must be >= 2, got {self.mamba_kernel}")
+
+    def _check_anchor(self) -> None:
+        """The model's slot rows must key the cache: here, a "full" layer's (a V4-like model,
+        whose FULL pool is logical, overrides this)."""
+        if "full" not in self.layer_kinds:
+            raise ValueError("layer_kinds: need at least one 'full' layer")
 
     @property
     def num_layers(self) -> int:

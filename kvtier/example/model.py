@@ -128,6 +128,12 @@ class HybridModel:
             self.config, full_size, swa_size, mamba_size, self.device, page_size
         )
 
+    def cache_pools(self, cache) -> ModelPools:
+        """The device pools of a ``TieredKVCache`` as this model's pools (checked)."""
+        pools = ModelPools(cache.full_pool, cache.swa_pool, cache.mamba_pool)
+        pools.check(self.config)
+        return pools
+
     @torch.no_grad()
     def forward(
         self,

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.example.model import Generation, HybridModel
-from kvtier.example.pools import ModelPools
 from kvtier.runtime.cache import Request, TieredKVCache
 
 __all__ = ["CachedRunner"]
@@ -33,8 +32,7 @@ class CachedRunner:
             )
         if "swa" in mc.layer_kinds and mc.swa_window != cc.swa_window:
             raise ValueError(f"cache: swa_window {cc.swa_window} != the model's {mc.swa_window}")
-        self.pools = ModelPools(cache.full_pool, cache.swa_pool, cache.mamba_pool)
-        self.pools.check(model.config)
+        self.pools = model.cache_pools(cache)
         self.last_request: Request | None = None
 
     def _forward(self, req: Request, tokens: Sequence[int], start: int) -> torch.Tensor:

@@ -5,8 +5,9 @@ A page object of a pool is what one L3 key stores:
     pool    host pool       page object                          read/written through
     kv      HostPool        one page, every layer, K then V      page_views (page_first*), or
                             (MLA: the latent)                    pack/unpack via staging
-    indexer HostPool        one KV page's indexer keys and       same; its host page ids are
-                            scales, every full layer             the KV pool's (slot // P)
+    <car>   HostPool        one anchor page of a sidecar         same; its host page ids are
+                            (DSA indexer: keys then scales),     its anchor's (slot // P)
+                            every layer it holds
     swa     HostPool        same as kv, for the SWA layers       same as kv
     mamba   MambaHostPool   one state slot (flat)                slot_views
 """
@@ -53,10 +54,10 @@ class L3Pool:
     """One host pool as L3 page objects: page buffers to read into or write from.
 
     Args:
-        name: the pool's L3 name ("kv", "indexer", "swa", "mamba").
+        name: the pool's L3 name ("kv", "swa", "mamba" or a sidecar's).
         host: the host pool.
-        page_size: tokens per page (token-slot pools, and the indexer, whose pages are named by
-            the KV pool's token slots); Mamba slots are pages of their own.
+        page_size: tokens per page (token-slot pools, and sidecars, whose pages are named by
+            their anchor's token slots); Mamba slots are pages of their own.
         batch_pages: most pages per call (staging rows for layer_first pools).
     """
 

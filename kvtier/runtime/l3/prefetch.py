@@ -10,10 +10,12 @@ One prefetch, :class:`Prefetch`, goes through three states; the scheduler thread
            the longest prefix that fits and still has its window and state (``cut_pages``),
            and are revoked (``RevokeReason.HOST_CAPACITY``) if there is none
     load   the IO thread reads KV pages in batches into the prefetch's host slots, stopping at the
-           first shortfall; the DSA indexer's pages (per KV page, in the KV pages' host pages)
-           follow each batch once its KV pages arrived, and a page counts only with both; only
-           when every page arrived does it read the extra pools (SWA: the trailing window
-           pages, all or nothing; Mamba: the state keyed by the last page)
+           first shortfall; the KV-anchored sidecars' pages (the DSA indexer, V4's compressed
+           KV; in the KV pages' host pages) follow each batch, each pool reading only the
+           pages every pool before it delivered, so a page counts only with all of them (with
+           a logical FULL pool, the sidecars alone); only when every page arrived does it read
+           the extra pools (SWA and its sidecars: the trailing window pages, all or nothing;
+           Mamba: the state keyed by the last page)
     done   agreed termination (policy), then one packed MIN of [completed pages, SWA pages,
            Mamba state]; the agreed pages are grafted onto the tree as host-only nodes
 
@@ -116,14 +118,27 @@ class PrefetchWorkers:
 
     Args:
         backend: the L3 store.
-        pools: L3 pools by name ("kv" first; "swa", "mamba" when the model has them).
+        pools: L3 pools by name.
         swa_window_pages: SWA window in pages (TRAILING_PAGES policy), or 0.
+        kv_group: the pools holding a FULL page's bytes, in read order (ALL_PAGES).
+        swa_group: the pools holding a SWA page's bytes (TRAILING_PAGES), or none.
     """
 
-    def __init__(self, backend: StorageBackend, pools: dict[str, L3Pool], swa_window_pages: int):
+    def __init__(
+        self,
+        backend: StorageBackend,
+        pools: dict[str, L3Pool],
+        swa_window_pages: int,
+        kv_group: list[str],
+        swa_group: list[str],
+    ):
+        if not kv_group:
+            raise ValueError("kv_group: a FULL page's bytes live in at least one pool")
         self.backend = backend
         self.pools = pools
         self.W = swa_window_pages
+        self.kv_group = kv_group
+        self.swa_group = swa_group
         self._queries: queue.Queue[Prefetch | None] = queue.Queue()
         self._loads: queue.Queue[Prefetch | None] = queue.Queue()
         self._threads = [
@@ -177,11 +192,10 @@ class PrefetchWorkers:
         if op.cancel.is_set():
             return
         hashes = op.hashes[: op.cut_pages] if op.cut_pages else op.hashes
-        transfers = [PoolTransfer("kv", hashes, policy=ALL_PAGES)]
-        if "indexer" in self.pools:
-            transfers.append(PoolTransfer("indexer", hashes, policy=ALL_PAGES))
-        if "swa" in self.pools:
-            transfers.append(PoolTransfer("swa", hashes, policy=TRAILING_PAGES(self.W)))
+        transfers = [PoolTransfer(n, hashes, policy=ALL_PAGES) for n in self.kv_group]
+        transfers += [
+            PoolTransfer(n, hashes, policy=TRAILING_PAGES(self.W)) for n in self.swa_group
+        ]
         if "mamba" in self.pools:
             transfers.append(PoolTransfer("mamba", hashes, policy=TRAILING_PAGES(1)))
         op.query_hits = self.backend.exists(transfers)
@@ -208,18 +222,21 @@ class PrefetchWorkers:
         return ok
 
     def _load(self, op: Prefetch) -> None:
-        kv = self.pools["kv"]
-        P, B, n = kv.P, kv.batch_pages, op.planned_pages
+        first = self.pools[self.kv_group[0]]
+        P, B, n = first.P, first.batch_pages, op.planned_pages
         for i in range(0, n, B):
             if op.cancel.is_set():
                 return
             j = min(i + B, n)
             slots, hashes = op.kv_slots[i * P : j * P], op.hashes[i:j]
-            ok = self._read_pages(op, "kv", slots, hashes)
-            if "indexer" in self.pools and ok and not op.cancel.is_set():
-                # The indexer is per page like KV: it follows each batch once that batch's KV
-                # pages arrived, so a partial prefetch still hands over whole pages.
-                ok = self._read_pages(op, "indexer", slots[: ok * P], hashes[:ok])
+            ok = j - i
+            for name in self.kv_group:
+                if not ok or op.cancel.is_set():
+                    ok = 0
+                    break
+                # Each pool reads only the pages every pool before it delivered, so a partial
+                # prefetch still hands over whole pages: every sidecar of a page, or none.
+                ok = self._read_pages(op, name, slots[: ok * P], hashes[:ok])
             with (
                 op.mutex
             ):  # pages [0, completed) are in place before they are counted (SGLang #8901)
@@ -228,20 +245,22 @@ class PrefetchWorkers:
                 return
         # Extra pools only once every KV page arrived: a partial KV prefix would misalign them.
         transfers, swa_pages = [], None
-        if "swa" in self.pools and op.swa_pages:
-            swa = self.pools["swa"]
-            swa_pages = swa.pages_of(op.swa_slots)
+        if self.swa_group and op.swa_pages:
+            swa_pages = self.pools["swa"].pages_of(op.swa_slots)
             keys = op.hashes[n - op.swa_pages : n]
-            transfers.append(PoolTransfer("swa", keys, swa.read_views(swa_pages)))
+            for name in self.swa_group:  # sidecars' pages are their anchor's
+                pool = self.pools[name]
+                transfers.append(PoolTransfer(name, keys, pool.read_views(swa_pages)))
         if "mamba" in self.pools and op.mamba_slot is not None:
             views = self.pools["mamba"].read_views(op.mamba_slot)
             transfers.append(PoolTransfer("mamba", [op.hashes[n - 1]], views))
         if not transfers or op.cancel.is_set():
             return
         res = self._get(op, transfers)
-        swa_ok = swa_pages is not None and all(res.ok["swa"])
+        swa_ok = swa_pages is not None and all(all(res.ok[name]) for name in self.swa_group)
         if swa_ok:
-            self.pools["swa"].finish_read(swa_pages, op.swa_pages)
+            for name in self.swa_group:
+                self.pools[name].finish_read(swa_pages, op.swa_pages)
         with op.mutex:
             op.swa_hit = op.swa_pages if swa_ok else 0
             op.mamba_hit = int("mamba" in res.ok and all(res.ok["mamba"]))

@@ -1,2 +1,3 @@
-"""Pools hold memory: device and pinned-host KV, Mamba state and DSA indexer pools, and the page
+"""Pools hold memory: device and pinned-host KV, Mamba state and sidecar pools (the DSA indexer,
+DeepSeek V4's compressed KV and compressor states), the index-only logical FULL pool, and the page
 allocators whose books the tree keeps."""

@@ -61,6 +61,7 @@ class PageAllocator:
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = self.num_pages
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        self._np_page_offsets = self._page_offsets.numpy()
         self._batch: list[torch.Tensor] | None = None
 
     # -- queries ---------------------------------------------------------------------------
@@ -157,21 +158,19 @@ class PageAllocator:
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """Token slots that form whole page-aligned runs → page ids. Raises otherwise."""
-        s = slots.detach().to("cpu", torch.int64).reshape(-1)
+        s = slots.detach().to("cpu", torch.int64).reshape(-1).numpy()
         P = self.page_size
         if P == 1:
-            return torch.from_numpy(self._check_pages(s.numpy(), "slots"))
-        if s.numel() % P:
-            raise ValueError(
-                f"{self.name}: {s.numel()} slots is not a whole number of pages of {P}"
-            )
-        runs = s.view(-1, P)
+            return torch.from_numpy(self._check_pages(s, "slots"))
+        if s.size % P:
+            raise ValueError(f"{self.name}: {s.size} slots is not a whole number of pages of {P}")
+        # numpy, not torch: an eviction frees thousands of slots in one call, and each torch op
+        # here cost more in dispatch than in work.
+        runs = s.reshape(-1, P)
         first = runs[:, 0]
-        if bool((first % P != 0).any()) or not torch.equal(
-            runs - first[:, None], self._page_offsets.expand_as(runs)
-        ):
+        if (first % P).any() or ((runs - first[:, None]) != self._np_page_offsets).any():
             raise ValueError(f"{self.name}: slots are not page-aligned runs of {P} tokens")
-        return torch.from_numpy(self._check_pages((first // P).numpy(), "slots"))
+        return torch.from_numpy(self._check_pages(first // P, "slots"))
 
     def _check_pages(self, pages: np.ndarray, arg: str) -> np.ndarray:
         """Page ids in range, before any array is indexed with them (negative ids would wrap)."""

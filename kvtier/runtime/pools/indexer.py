@@ -1,22 +1,30 @@
 """DSA indexer sidecar pool: per token per layer a 128-byte fp8 key and a 4-byte fp32 scale.
 
-Stored per page as all keys, then all scales (the paged byte layout the indexer's attention
-kernels read)::
+One instance of a sidecar (:mod:`kvtier.runtime.pools.sidecar`): anchored on the KV pool, one
+entry per token (ratio 1), ``key_bytes + scale_bytes`` per entry. The indexer's attention kernels
+read each page as all keys, then all scales::
 
     page p of layer l: | key t0 | key t1 | ... | key t(P-1) | scale t0 | ... | scale t(P-1) |
 
-The pool has no allocator of its own: it is addressed by the KV pool's pages (page ``p`` holds the
-tokens of KV slots ``[p * P, p * P + P)``). Its device and host pools therefore move whole pages,
-as raw bytes: the copy kernels see one buffer whose "slot" is a page (``page_size`` 1 for them).
+which is just how it interprets the page's bytes; the pool moves them as a sidecar page.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from kvtier.runtime.pools.device import DevicePool
+from kvtier.runtime.pools.sidecar import SidecarDevicePool, SidecarSpec
 
-__all__ = ["IndexerDevicePool", "kv_slots_to_pages"]
+__all__ = ["INDEXER", "IndexerDevicePool", "indexer_spec", "kv_slots_to_pages"]
+
+INDEXER = "indexer"
+
+
+def indexer_spec(layers: Sequence[int], key_bytes: int = 128, scale_bytes: int = 4) -> SidecarSpec:
+    """The DSA indexer as a sidecar of the given model layers (``CacheConfig(indexer=True)``)."""
+    return SidecarSpec(INDEXER, "kv", 1, key_bytes + scale_bytes, tuple(layers))
 
 
 def kv_slots_to_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -34,10 +42,14 @@ def kv_slots_to_pages(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     return torch.where(first >= 0, first // page_size, first)
 
 
-class IndexerDevicePool(DevicePool):
-    """Per layer ``[num_pages, P * (key_bytes + scale_bytes)]`` uint8 on the device."""
+class IndexerDevicePool(SidecarDevicePool):
+    """Per layer ``[num_pages, P * (key_bytes + scale_bytes)]`` uint8 on the device.
 
-    kind = "indexer"
+    ``layers``: the model layers it holds (default ``0 .. num_layers - 1``); ``keys`` and
+    ``scales`` take the pool's own layer index.
+    """
+
+    kind = INDEXER
 
     def __init__(
         self,
@@ -47,21 +59,16 @@ class IndexerDevicePool(DevicePool):
         key_bytes: int = 128,
         scale_bytes: int = 4,
         device: torch.device | str = "cpu",
+        layers: Sequence[int] | None = None,
     ) -> None:
         if num_layers < 1 or num_pages < 1 or page_size < 1:
             raise ValueError("num_layers, num_pages and page_size must be >= 1")
-        self.token_page_size = page_size
+        layers = tuple(range(num_layers)) if layers is None else tuple(layers)
+        if len(layers) != num_layers:
+            raise ValueError(f"layers: {len(layers)} model layers for num_layers={num_layers}")
         self.key_bytes = key_bytes
         self.scale_bytes = scale_bytes
-        page_bytes = page_size * (key_bytes + scale_bytes)
-        self.buffer = torch.zeros(
-            (num_layers, num_pages, page_bytes), dtype=torch.uint8, device=device
-        )
-        super().__init__([list(self.buffer.unbind(0))], page_size=1, name="indexer")
-
-    @property
-    def page_bytes(self) -> int:
-        return self.buffer.shape[-1]
+        super().__init__(indexer_spec(layers, key_bytes, scale_bytes), num_pages, page_size, device)
 
     def keys(self, layer: int) -> torch.Tensor:
         """``[num_pages, P, key_bytes]`` uint8 view of a layer's keys (fp8 bytes)."""
