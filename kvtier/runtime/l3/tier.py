@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.metrics import TierMetrics
 from kvtier.runtime.l3.backup import BackupJob, BackupWriter
 from kvtier.runtime.l3.pools import L3Pool, namespace_for
 from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, RevokeReason
@@ -43,7 +44,6 @@ from kvtier.storage import (
     Namespace,
     PrefetchOutcome,
     StorageBackend,
-    StorageMetrics,
     Tier,
     create_backend,
     page_hashes,
@@ -68,13 +68,16 @@ class L3Tier:
     Args:
         config: the cache's config (``storage`` set).
         tree: the cache's tree.
-        host_pools: the host pool of each L3 pool name that exists: ``"kv"`` and, where the
-            cache has them, ``"indexer"``, ``"swa"``, ``"mamba"``.
+        host_pools: the host pool of each L3 pool name that exists: ``"kv"`` (absent for a
+            logical FULL pool, which has no bytes) and, where the cache has them, ``"swa"``,
+            ``"mamba"`` and each sidecar (``config.all_sidecars``: the DSA indexer, ...).
         tp_group: the CPU group of TP ranks that must agree, or None.
         metrics: the cache's tier metrics; the backend counts its transfers there too.
         backend: a backend to use instead of building ``config.storage.backend``.
+        counters: where the L3 decisions are counted (a cache keeps one across attaches).
 
     The controller reports each acknowledged device→host backup to :meth:`on_backup_done`.
+    Once ``admitting`` is False (a detach began) no new prefetch or backup is taken.
     """
 
     def __init__(
@@ -83,8 +86,9 @@ class L3Tier:
         tree: UnifiedRadixTree,
         host_pools: Mapping[str, HostPool | MambaHostPool],
         tp_group,
-        metrics: StorageMetrics,
+        metrics: TierMetrics,
         backend: StorageBackend | None = None,
+        counters: Counter[str] | None = None,
     ) -> None:
         cfg = config
         st = cfg.storage
@@ -93,6 +97,13 @@ class L3Tier:
         self.tp_group = tp_group
         rank, size = rank_and_size(tp_group)
         self.tp_size = size
+        P, B = cfg.page_size, st.batch_pages
+        has_swa = "swa" in host_pools
+        self.W = math.ceil(cfg.swa_window / P) if has_swa else 0
+        if self.W > B:  # refused before a backend is built: nothing to release
+            raise ValueError(
+                f"storage.batch_pages={B} is smaller than the SWA window of {self.W} pages"
+            )
         scope = KeyScope.for_namespace(namespace_for(cfg, None, size), rank, size)
         self.owns_backend = backend is None
         if backend is None:
@@ -106,29 +117,29 @@ class L3Tier:
             backend.metrics = metrics  # a given backend reports into this cache's counters
         self.backend = backend
         self.metrics = metrics
-        P, B = cfg.page_size, st.batch_pages
         self.pools = {name: L3Pool(name, host, P, B) for name, host in host_pools.items()}
-        has_swa = "swa" in host_pools
-        self.W = math.ceil(cfg.swa_window / P) if has_swa else 0
+        # The pools that hold a FULL page's bytes (read per batch, each page from all or none)
+        # and a SWA page's (read with the window, all or nothing); sidecars after their anchor.
+        riders = {a: [s.name for s in cfg.all_sidecars if s.anchor == a] for a in ("kv", "swa")}
+        self.kv_group = (["kv"] if "kv" in host_pools else []) + riders["kv"]
+        self.swa_group = ["swa", *riders["swa"]] if has_swa else []
         # Pools that need only some pages of a prefix (SWA's window, Mamba's last page).
         self._trailing = has_swa or "mamba" in host_pools
-        if self.W > B:
-            raise ValueError(
-                f"storage.batch_pages={B} is smaller than the SWA window of {self.W} pages"
-            )
         for pool in self.pools.values():
             backend.register_host_buffer(pool.region())
             pool.register.append(backend.register_host_buffer)
         self.writer = BackupWriter(
             backend, self.pools, st.backup_retries, self.metrics, backend.scope.writes
         )
-        self.workers = PrefetchWorkers(backend, self.pools, self.W)
+        self.workers = PrefetchWorkers(backend, self.pools, self.W, self.kv_group, self.swa_group)
         self.threshold_pages = max(1, math.ceil(st.prefetch_min_tokens / P))
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter() if counters is None else counters
+        self.admitting = True
         self.inflight_tokens = 0
         self._namespaces: dict[Hashable, Namespace] = {}
         self._stored: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._pending: set[tuple[str, str]] = set()
+        self._unrecorded: set[int] = set()  # ids of jobs in flight at a clear: not "stored"
         self._backups: deque[BackupJob] = deque()
         self._querying: deque[Prefetch] = deque()
         self._loading: deque[Prefetch] = deque()
@@ -163,7 +174,27 @@ class L3Tier:
         stored, host-pinning every node it reads until the write is done."""
         if not self.st.write_to_storage:
             return
-        node = books.pin.node
+        if not self.admitting:
+            self.counters["backup_not_started_detaching"] += 1
+            return
+        self._write_path(books.pin.node, event)
+
+    def backfill(self) -> int:
+        """Queue the L3 write of every page already on host (an attach with ``backfill``);
+        returns the jobs queued. Visits the tree in its own order, so every TP rank queues the
+        same jobs; pages on device only reach L3 when they are backed up to host, as usual."""
+        if not self.st.write_to_storage:
+            return 0
+        before = len(self._backups)
+        for node in self.tree.all_nodes():
+            if node.parent is None or node.host_value[0] is None:
+                continue
+            # Only the deepest host nodes: a job writes its node's whole path.
+            if not any(c.host_value[0] is not None for c in node.children.values()):
+                self._write_path(node, None)
+        return len(self._backups) - before
+
+    def _write_path(self, node: TreeNode, event) -> None:
         if node.parent is None or not node.attached:
             return
         path = []
@@ -177,11 +208,12 @@ class L3Tier:
             if x.host_value[0] is None:
                 continue  # write-back: a leaf is backed up before its parent
             hashes = self.node_hashes(x)
-            took = self._add_pages(pages, "kv", hashes, x.host_value[0])
-            if "indexer" in self.pools:  # addressed by the KV host slots
-                took |= self._add_pages(pages, "indexer", hashes, x.host_value[0])
+            took = False
+            for name in self.kv_group:  # sidecars are addressed by their anchor's host slots
+                took |= self._add_pages(pages, name, hashes, x.host_value[0])
             if swa is not None and x.host_value[swa.slot] is not None:
-                took |= self._add_pages(pages, "swa", hashes, x.host_value[swa.slot])
+                for name in self.swa_group:
+                    took |= self._add_pages(pages, name, hashes, x.host_value[swa.slot])
             if mamba is not None and x.host_value[mamba.slot] is not None:
                 took |= self._add_pages(pages, "mamba", hashes[-1:], x.host_value[mamba.slot])
             if took:
@@ -214,13 +246,17 @@ class L3Tier:
         for pool, (hashes, _) in job.pages.items():
             for h in hashes:
                 self._pending.discard((pool, h))
-        for key in job.stored:
-            self._stored[key] = None
-            self._stored.move_to_end(key)
+        if id(job) in self._unrecorded:  # a clear ran while it was written: nothing is known
+            self._unrecorded.discard(id(job))
+        else:
+            for key in job.stored:
+                self._stored[key] = None
+                self._stored.move_to_end(key)
         while len(self._stored) > _STORED_MEMORY:
             self._stored.popitem(last=False)
         self.counters["backup_pages"] += len(job.stored)
         self.counters["backup_failed_pages"] += job.failed_pages
+        self.counters["backup_revoked_pages"] += job.revoked_pages
 
     # -- prefetch: start -----------------------------------------------------------------------
 
@@ -230,6 +266,9 @@ class L3Tier:
         Returns None when not admitted (too short, or in-flight prefetches hold too much of the
         host pool). Every TP rank must make the same calls in the same order.
         """
+        if not self.admitting:
+            self.counters["prefetch_not_started_detaching"] += 1
+            return None
         P = self.cfg.page_size
         tokens = page_align(list(token_ids)[:-1], P)
         m = self.tree.match_prefix(tokens, namespace)
@@ -536,6 +575,22 @@ class L3Tier:
             for name, slots in held.items():
                 out[name] += slots.numel()
         return dict(out)
+
+    def revoke(self) -> None:
+        """Forced detach: take nothing new, abort every prefetch and have the writer skip the
+        jobs (and batches) it has not started. What they hold is released as usual, once every
+        rank's threads are done with it (``apply``): IO in progress is never raced."""
+        self.admitting = False
+        self.writer.cancel.set()
+        for op in [*self._querying, *self._loading]:
+            self.abort(op)
+            self.counters["prefetch_revoked_detach"] += 1
+
+    def forget_stored(self) -> None:
+        """The store was cleared: forget which pages it holds, including those of jobs in
+        flight (a page written before the clear and acknowledged after it is gone)."""
+        self._stored.clear()
+        self._unrecorded = {id(job) for job in self._backups}
 
     def close(self, timeout: float = 5.0) -> None:
         self.writer.close(timeout)
