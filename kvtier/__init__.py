@@ -14,6 +14,7 @@ from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
 from kvtier.runtime.pools.host import HostPool
 from kvtier.runtime.pools.indexer import IndexerDevicePool
 from kvtier.runtime.pools.mamba import MambaDevicePool, MambaHostPool, MambaStateSpec
+from kvtier.runtime.pools.sidecar import SidecarSpec
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,7 @@ __all__ = [
     "MambaHostPool",
     "MambaStateSpec",
     "Request",
+    "SidecarSpec",
     "TieredKVCache",
     "TransferKnobs",
 ]

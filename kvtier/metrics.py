@@ -1,9 +1,15 @@
-"""Monotonic counters for the tiers: hits, bytes moved, time spent, prefetch outcomes, failures.
+"""Counters every layer shares: per-tier hits, bytes and time, prefetch outcomes, failures.
+
+One bag for all tiers (device, host, storage), below both the runtime and the storage adapters:
+the runtime counts device and host hits and copies here, the L3 threads and the storage
+backends count storage traffic, failures and circuit-breaker events here, and the facade's
+``CacheMetrics`` (``kvtier.runtime.metrics``) reads it with the other counters of a cache.
 
 Counters only ever grow (Prometheus ``counter`` semantics); bandwidth is derived from two counters
 (bytes / busy seconds) when read, never stored as a gauge that a later sample overwrites. The one
-gauge is the storage circuit breaker's state (``breaker.CircuitBreaker``). All methods are
-thread-safe: the backup thread, the prefetch thread and the scheduler update the same object.
+gauge is the storage circuit breaker's state (``kvtier.storage.breaker.CircuitBreaker``). All
+methods are thread-safe: the backup thread, the prefetch thread and the scheduler update the same
+object.
 """
 
 from __future__ import annotations
@@ -12,9 +18,15 @@ import threading
 from collections import Counter
 from enum import Enum
 
-from kvtier.storage.breaker import BreakerEvent, BreakerState
-
-__all__ = ["Direction", "PrefetchOutcome", "StorageMetrics", "Tier"]
+__all__ = [
+    "BreakerEvent",
+    "BreakerState",
+    "Direction",
+    "PrefetchOutcome",
+    "StorageMetrics",
+    "Tier",
+    "TierMetrics",
+]
 
 
 class Tier(str, Enum):
@@ -26,6 +38,23 @@ class Tier(str, Enum):
 class Direction(str, Enum):
     READ = "read"
     WRITE = "write"
+
+
+class BreakerState(str, Enum):
+    """A storage circuit breaker's state."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+class BreakerEvent(str, Enum):
+    """A storage circuit breaker's transitions and refusals."""
+
+    OPENED = "opened"  # closed -> open, or a failed probe: half_open -> open
+    PROBE = "probe"  # open -> half_open: one call let through to test the store
+    SHORT_CIRCUITED = "short_circuited"  # a call refused without touching the store
+    RECOVERED = "recovered"  # a probe succeeded: half_open -> closed
 
 
 class PrefetchOutcome(str, Enum):
@@ -40,7 +69,7 @@ class PrefetchOutcome(str, Enum):
 _PREFIX = "kvtier"
 
 
-class StorageMetrics:
+class TierMetrics:
     """Thread-safe monotonic counters; ``snapshot()`` reads them, ``prometheus()`` exports them."""
 
     def __init__(self) -> None:
@@ -215,3 +244,7 @@ class StorageMetrics:
     def _check(value: float) -> None:
         if value < 0:
             raise ValueError(f"counters only grow; got an increment of {value}")
+
+
+# The name this class had while it lived in kvtier.storage; kept so embedders' imports still work.
+StorageMetrics = TierMetrics

@@ -9,17 +9,26 @@ Two tree sizes: "small" (the trace alone on a pool sized so the tree stays near 
 when an allocation fails, 1/32 of the pool is evicted, and those calls are timed separately) and
 "large" (the tree pre-filled to ~10^5 nodes; no eviction).
 
-    python3 -m profiling.bench_tree --requests 10000 --out profiling/results
+Each request's cost is also split by whether CPython's cyclic GC ran inside it (``gc.callbacks``):
+the p99 of the requests no collection touched is the tree's own tail; collections are counted
+with their median pause. ``--baseline DIR`` replays the same trace, in the same session, on an
+older checkout (``git worktree add DIR <commit>``) for a before/after table.
+
+    python3 -m profiling.bench_tree --requests 10000 --out profiling/results --baseline /tmp/before
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -47,6 +56,10 @@ class Row:
     evict_calls: int
     evict_p50_us: float
     by_pages: dict[int, float]
+    p99_no_gc_us: float  # p99 over the requests no GC collection ran inside
+    gc_collections: dict[int, int]  # generation -> collections inside timed requests
+    gc_pause_p50_us: float  # median pause of those collections
+    p999_us: float = 0.0
 
 
 def make_trace(n_requests: int, seed: int) -> list[list[int]]:
@@ -94,8 +107,28 @@ def prefill(tree, kv, n_docs: int, seed: int) -> None:
             )
 
 
+class _GcWatch:
+    """Collections (generation, pause) while ``armed``: a request that saw one is marked."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.events: list[tuple[int, float]] = []
+        self._t0 = 0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if not self.armed:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        else:
+            self.events.append((info["generation"], (time.perf_counter_ns() - self._t0) / 1e3))
+
+
 def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac: int = 32) -> Row:
     tree = build_tree(TreeConfig(page_size=P, kv_size=kv_size))
+    # Checkouts from before the rename of lock/unlock to pin/unpin run the same trace.
+    pin = getattr(tree, "pin", None) or tree.lock
+    unpin = getattr(tree, "unpin", None) or tree.unlock
     kv = tree.full.device_alloc
     prefill(tree, kv, n_docs, seed=1)
     nodes_start = len(tree.all_nodes())
@@ -104,15 +137,21 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
     gc.collect()
     gc.freeze()
     costs, pages, evicts, match_costs, insert_costs, sizes = [], [], [], [], [], []
+    gc_hit: list[bool] = []
+    watch = _GcWatch()
+    gc.callbacks.append(watch)
     clock = time.perf_counter_ns
     for i, tokens in enumerate(trace):
         if i % 250 == 0:
             sizes.append(len(tree.all_nodes()))
         prompt = tokens[: len(tokens) - MSG_LEN]
+        seen = len(watch.events)
+        watch.armed = True
         t0 = clock()
         m = tree.match_prefix(prompt)
-        handle = tree.pin(m.last_device_node)
+        handle = pin(m.last_device_node)
         t1 = clock()
+        watch.armed = False
         need = len(tokens) - m.device_len
         slots = kv.alloc(need)
         if slots is None:
@@ -121,21 +160,29 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
             evicts.append((clock() - e0) / 1e3)
             slots = kv.alloc(need)
         row = torch.cat([m.device_indices, slots])
+        watch.armed = True
         t2 = clock()
         tree.insert(tokens, row, prev_prefix_len=m.device_len)
-        tree.unpin(handle)
+        unpin(handle)
         t3 = clock()
+        watch.armed = False
+        gc_hit.append(len(watch.events) > seen)
         costs.append((t1 - t0 + t3 - t2) / 1e3)
         match_costs.append((t1 - t0) / 1e3)
         insert_costs.append((t3 - t2) / 1e3)
         pages.append(m.device_len // P)
     sizes.append(len(tree.all_nodes()))
     tree.check_integrity()
+    gc.callbacks.remove(watch)
     gc.unfreeze()
+    clean = [c for c, hit in zip(costs, gc_hit) if not hit]
+    collections: dict[int, int] = {}
+    for gen, _ in watch.events:
+        collections[gen] = collections.get(gen, 0) + 1
     buckets: dict[int, list[float]] = {}
     for c, p in zip(costs, pages):
         buckets.setdefault(p // 16 * 16, []).append(c)
-    pct = percentiles(costs, (50, 99))
+    pct = percentiles(costs, (50, 99, 99.9))
     return Row(
         name,
         len(costs),
@@ -150,6 +197,10 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
         len(evicts),
         median(evicts) if evicts else 0.0,
         {k: median(v) for k, v in sorted(buckets.items()) if len(v) >= 20},
+        percentiles(clean, (99,))[99],
+        collections,
+        median([p for _, p in watch.events]) if watch.events else 0.0,
+        pct[99.9],
     )
 
 
@@ -175,21 +226,76 @@ def plot(rows: list[Row], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+SIZES = {"small": (P * 18_000, 0), "large": (P * 400_000, 2000)}
+
+
+def worker(name: str, requests: int, gen0: int | None) -> Row:
+    """One tree size in this process (``gen0``: a gen-0 GC threshold, as engines tune it)."""
+    if gen0 is not None:
+        gc.set_threshold(gen0, *gc.get_threshold()[1:])
+    kv_size, n_docs = SIZES[name]
+    return run(name, make_trace(requests, seed=0), kv_size=kv_size, n_docs=n_docs)
+
+
+def spawn(name: str, requests: int, code_dir: str | None, gen0: int | None = None) -> Row:
+    """``worker`` in a fresh process, importing kvtier from ``code_dir`` (None: this checkout)."""
+    env = dict(os.environ)
+    if code_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(code_dir), os.getcwd()])
+    cmd = [sys.executable, "-m", "profiling.bench_tree", "--worker", name]
+    cmd += ["--requests", str(requests)] + (["--gen0", str(gen0)] if gen0 else [])
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    d = json.loads(out.strip().splitlines()[-1])
+    d["by_pages"] = {int(k): v for k, v in d["by_pages"].items()}
+    d["gc_collections"] = {int(k): v for k, v in d["gc_collections"].items()}
+    return Row(**d)
+
+
+def table(rows: list[tuple[str, Row]]) -> list[str]:
+    lines = [
+        (
+            "| code | tree | live nodes: start / mean of 2nd half / max | median µs | p99 µs | "
+            "p99.9 µs | p99 without a GC pause µs | GC collections in requests (gen 0/1/2), "
+            "median pause µs | median match+lock / insert+unlock µs | evict calls (median µs) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for code, r in rows:
+        gcs = "/".join(str(r.gc_collections.get(g, 0)) for g in range(3))
+        lines.append(
+            f"| {code} | {r.name} | {r.nodes_start:,} / {r.nodes_mean:,} / {r.nodes_max:,} | "
+            f"{r.p50_us:.1f} | {r.p99_us:.1f} | {r.p999_us:.0f} | {r.p99_no_gc_us:.1f} | "
+            f"{gcs}, {r.gc_pause_p50_us:.0f} | {r.match_p50_us:.1f} / {r.insert_p50_us:.1f} | "
+            f"{r.evict_calls} ({r.evict_p50_us:.0f}) |"
+        )
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--out", default="profiling/results")
+    ap.add_argument("--baseline", help="an older checkout to replay the same trace on")
+    ap.add_argument("--baseline-name", default="before")
+    ap.add_argument("--worker", choices=sorted(SIZES), help=argparse.SUPPRESS)
+    ap.add_argument("--gen0", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    trace = make_trace(args.requests, seed=0)
-    rows = [
-        run("small", trace, kv_size=P * 18_000, n_docs=0),
-        run("large", trace, kv_size=P * 400_000, n_docs=2000),
-    ]
-    for r in rows:
-        print(r)
-    plot(rows, f"{args.out}/bench_tree.png")
+    if args.worker:
+        print(json.dumps(asdict(worker(args.worker, args.requests, args.gen0))))
+        return
+    rows: list[tuple[str, Row]] = []
+    for name in SIZES:  # interleaved, so both checkouts see the same load
+        rows.append(("now", spawn(name, args.requests, None)))
+        if args.baseline:
+            rows.append((args.baseline_name, spawn(name, args.requests, args.baseline)))
+    rows.append(("now, gen-0 GC threshold 50,000", spawn("large", args.requests, None, 50_000)))
+    for code, r in rows:
+        print(code, r)
+    now = [r for code, r in rows if code == "now"]
+    plot(now, f"{args.out}/bench_tree.png")
+    load = os.getloadavg()
     lines = [
         "# bench_tree: radix tree scheduler-side cost per request",
         "",
@@ -199,25 +305,17 @@ def main() -> None:
             f"conversations (+{2 * MSG_LEN} tokens a turn, prompts up to ~2k tokens), 25% branches; P={P}"
         ),
         (
-            "- cost = match_prefix + lock, then insert + unlock (allocation and row concat not timed);"
-            " gc.freeze() after the tree is pre-filled"
+            "- cost = match_prefix + pin, then insert + unpin (allocation and row concat not timed);"
+            " gc.freeze() after the tree is pre-filled; each row in a fresh process, rows interleaved"
         ),
-        "- the machine has 2 cores shared with another engineer's test runs: expect noise",
+        f"- load average at the end: {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (2 cores)",
         "",
-        (
-            "| tree | requests | live nodes: start / mean of 2nd half / max | median µs | p99 µs | mean µs | "
-            "median match+lock / insert+unlock µs | evict calls (median µs) |"
-        ),
-        "|---|---|---|---|---|---|---|---|",
+        *table(rows),
+        "",
+        "Median µs by matched pages (bucket start), this checkout:",
+        "",
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.name} | {r.requests} | {r.nodes_start:,} / {r.nodes_mean:,} / {r.nodes_max:,} | "
-            f"{r.p50_us:.1f} | {r.p99_us:.1f} | {r.mean_us:.1f} | {r.match_p50_us:.1f} / "
-            f"{r.insert_p50_us:.1f} | {r.evict_calls} ({r.evict_p50_us:.0f}) |"
-        )
-    lines += ["", "Median µs by matched pages (bucket start):", ""]
-    for r in rows:
+    for r in now:
         lines.append(f"- {r.name}: " + ", ".join(f"{k}: {v:.1f}" for k, v in r.by_pages.items()))
     lines += ["", "![cost by matched pages](bench_tree.png)", ""]
     with open(f"{args.out}/bench_tree.md", "w") as f:

@@ -18,6 +18,7 @@ def test_top_level_api():
         "MambaHostPool",
         "MambaStateSpec",
         "Request",
+        "SidecarSpec",
         "TieredKVCache",
         "TransferKnobs",
     ]

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kvtier"
 LAYERS = [
     ("kvtier.__main__", "kvtier.example"),
     ("kvtier.runtime",),
+    ("kvtier.events",),  # the runtime calls its sink; it sees runtime objects only duck-typed
     ("kvtier.kernels", "kvtier.storage"),
     ("kvtier.metrics", "kvtier.nvtx"),
 ]

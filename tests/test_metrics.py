@@ -7,11 +7,11 @@ import threading
 
 import pytest
 
-from kvtier.storage import Direction, PrefetchOutcome, StorageMetrics, Tier
+from kvtier.metrics import Direction, PrefetchOutcome, Tier, TierMetrics
 
 
 def test_counters_and_bandwidth() -> None:
-    m = StorageMetrics()
+    m = TierMetrics()
     m.add_hit_tokens(Tier.STORAGE, 128)
     m.add_transfer(Tier.STORAGE, Direction.READ, 2_000_000_000, 1.0)
     m.add_transfer(Tier.STORAGE, Direction.READ, 2_000_000_000, 3.0)
@@ -29,7 +29,7 @@ def test_counters_and_bandwidth() -> None:
 
 
 def test_prometheus_exposition() -> None:
-    m = StorageMetrics()
+    m = TierMetrics()
     m.add_hit_tokens(Tier.DEVICE, 5)
     m.add_prefetch_outcome(PrefetchOutcome.PARTIAL)
     text = m.prometheus()
@@ -44,7 +44,7 @@ def test_prometheus_exposition() -> None:
 
 
 def test_thread_safe_increments() -> None:
-    m = StorageMetrics()
+    m = TierMetrics()
 
     def bump() -> None:
         for _ in range(5000):

@@ -9,7 +9,9 @@ A request's life, as a serving engine drives it::
     # forward: layer i calls cache.wait_layer(i) before reading its KV; it writes new K/V at
     # req.kv_slots[pos] (full layers; the MLA latent there with ``mla_dim``, and the DSA indexer
     # key and scale in page req.kv_slots[pos] // P of cache.indexer_pool with ``indexer``),
-    # cache.swa_slots(req)[pos] (SWA layers) and the Mamba state at req.mamba_slot
+    # cache.swa_slots(req)[pos] (SWA layers) and the Mamba state at req.mamba_slot; a sidecar's
+    # entries of position pos in page slot // P of cache.sidecar_pools[name], where slot is the
+    # position's slot in its anchor (req.kv_slots[pos] or cache.swa_slots(req)[pos])
     cache.computed(req, n)                 # n tokens' KV/state are written (checkpoints Mamba)
     cache.cache_finished_req(req)          # hand the cacheable prefix to the tree
     cache.poll()                           # every scheduler step: acknowledge finished copies
@@ -32,20 +34,32 @@ boundary, and the finished request caches the state of its last page boundary.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kvtier.events.config import EventsConfig
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.build import build_cache_parts
-from kvtier.runtime.config import CacheConfig
+from kvtier.runtime.config import CacheConfig, StorageConfig
+from kvtier.runtime.l3.attach import StorageChange, StorageSwitch
 from kvtier.runtime.l3.prefetch import Prefetch
+from kvtier.runtime.l3.tier import L3Tier
 from kvtier.runtime.metrics import CacheMetrics
-from kvtier.runtime.tp import all_reduce_max
+from kvtier.runtime.tp import all_reduce_max, rank_and_size
 from kvtier.runtime.tree.node import TreeNode
 from kvtier.runtime.tree.requests import CacheRequest
+from kvtier.runtime.tree.retention import (
+    RetentionBudget,
+    RetentionClock,
+    RetentionHandle,
+    RetentionRefused,
+    check_priority,
+    check_ttl,
+)
 from kvtier.storage import StorageBackend
 from kvtier.storage.keys import canonical_namespace
 
@@ -90,6 +104,8 @@ class TieredKVCache:
         ack_delay_steps: test hook; see :class:`CacheController`.
         storage_backend: an L3 backend to use instead of building ``config.storage.backend``
             (needs ``config.storage``).
+        events: publish KV events (``kvtier.events``; needs ``config.model_id``); None: off.
+        clock: seconds on a monotonic clock, for retention TTLs (tests pass a fake one).
     """
 
     def __init__(
@@ -98,31 +114,68 @@ class TieredKVCache:
         tp_group=None,
         ack_delay_steps: int = 0,
         storage_backend: StorageBackend | None = None,
+        events: EventsConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not callable(clock):
+            raise TypeError(f"clock: expected a callable returning seconds, got {clock!r}")
         self.config = config
+        self._clock = RetentionClock(clock, agreed=tp_group is not None)
+        self._retention_budget = RetentionBudget(
+            *config.retention_budget, config.retention_overflow
+        )
         parts = build_cache_parts(config, tp_group, ack_delay_steps, storage_backend)
         self.device = parts.device
         self.full_pool = parts.full_pool
-        self.indexer_pool = parts.indexer_pool
+        self.sidecar_pools = parts.sidecar_pools
+        self.indexer_pool = parts.sidecar_pools.get("indexer")
         self.swa_pool = parts.swa_pool
         self.mamba_pool = parts.mamba_pool
         self.host_full = parts.host_full
-        self.host_indexer = parts.host_indexer
+        self.host_sidecars = parts.host_sidecars
+        self.host_indexer = parts.host_sidecars.get("indexer")
         self.host_swa = parts.host_swa
         self.host_mamba = parts.host_mamba
         self.tree = parts.tree
         self.kv_alloc = parts.tree.full.device_alloc
         self.controller = parts.controller
         self.layer_map = parts.layer_map
+        self._wait_steps = parts.wait_steps
         self.tier_metrics = parts.tier_metrics
-        self.l3 = parts.l3
         self._metrics = CacheMetrics(
             parts.tier_metrics, parts.controller.stats, parts.l3.counters if parts.l3 else None
         )
+        self._storage = StorageSwitch(
+            config,
+            parts.l3,
+            parts.build_l3,
+            parts.tree,
+            parts.controller,
+            self._metrics,
+            agreed=tp_group is not None,
+        )
         self.counters = self._metrics.counters
         self.requests: dict[int, Request] = {}
+        self.events = self._start_events(events, tp_group)
         if self.device.type == "cuda":
             self.warmup()
+
+    def _start_events(self, events: EventsConfig | None, tp_group):
+        """The KV-event sink (rank 0 only: every rank's tree changes alike), or None. A bind
+        that fails (endpoint in use) stops what was started and raises ``ValueError``."""
+        try:
+            if events is not None and not isinstance(events, EventsConfig):
+                raise TypeError(f"events: expected an EventsConfig or None, got {events!r}")
+            rank, size = rank_and_size(tp_group)
+            if events is None or rank != 0:
+                return None
+            from kvtier.events.sink import EventSink  # pyzmq and msgspec: only when events are on
+
+            return EventSink.for_cache(self, events, size)
+        except BaseException:
+            self.events = None
+            self.close()  # stops the L3 threads already started
+            raise
 
     def warmup(self) -> None:
         """Compile every copy-kernel variant the cache issues while serving: the backup of each
@@ -134,7 +187,9 @@ class TieredKVCache:
                 n = 1 if b.name == "mamba" else self.config.page_size
                 skip = torch.full((n,), -1, dtype=torch.int64, device=self.device)
                 b.backup(skip, skip)
-                b.load(skip, skip, 0)
+                for pool, layer in self.controller.layer_map:  # its load steps
+                    if pool == b.name:
+                        b.load(skip, skip, layer)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
 
@@ -154,6 +209,10 @@ class TieredKVCache:
             raise TypeError(f"priority: expected an int, got {priority!r}")
         with nvtx_range(f"kvtier.match {len(tokens)} tokens"):
             m = tree.match_prefix(tokens[:-1], namespace)
+        if cfg.retention_refresh_on_hit and tree.retention.handles:
+            self.counters.retention_refreshed += tree.retention.refresh(
+                m.best_match_node, self._clock.now
+            )
         req = Request(
             token_ids=tokens,
             kv_slots=m.device_indices.clone(),
@@ -195,6 +254,51 @@ class TieredKVCache:
         self.requests[id(req)] = req
         return req
 
+    # -- retention -----------------------------------------------------------------------------
+
+    def pin(
+        self, prefix: Sequence[int], ttl_s: float, priority: int = 0, namespace: Hashable = None
+    ) -> RetentionHandle:
+        """Keep the cached prefix of ``prefix`` on device, or at least on host, for ``ttl_s``
+        seconds (restarted by each hit under ``retention_refresh_on_hit``; checked in ``poll``).
+        Eviction order and what is pinned: ``kvtier.runtime.tree.retention``.
+
+        The longest cached prefix is pinned (``handle.tokens``), and parts of it on device only
+        are backed up to host now, under every write policy, so that with L3 it is written to
+        storage ahead of unpinned pages. Raises ``ValueError`` when none of ``prefix`` is
+        cached, and ``RetentionRefused`` (a ``RuntimeError``, counted) when the pin exceeds the
+        budget and ``retention_overflow`` cannot make room. Under TP every rank pins alike.
+        """
+        try:
+            tokens = token_list(prefix)
+        except (TypeError, ValueError) as e:
+            raise type(e)(str(e).replace("token_ids", "prefix", 1)) from None
+        _check_namespace(namespace)
+        ttl_s = check_ttl(ttl_s)
+        check_priority(priority)
+        try:
+            handle, dropped = self.tree.retention.pin_prefix(
+                tokens,
+                namespace,
+                ttl_s=ttl_s,
+                priority=priority,
+                now=self._clock.now(),
+                budget=self._retention_budget,
+            )
+        except RetentionRefused:
+            self.counters.retention_refused += 1
+            raise
+        self.counters.retention_pins += 1
+        self.counters.retention_dropped += len(dropped)
+        for node in self.tree.retention.backup_targets(handle):
+            self.controller.backup(node)
+        return handle
+
+    def unpin(self, handle: RetentionHandle) -> None:
+        """Release a retention pin; its prefix becomes ordinary cache. Refuses another cache's
+        handle and one already released (unpinned, expired or dropped)."""
+        self.tree.retention.unpin(handle)
+
     # -- L3 prefetch ---------------------------------------------------------------------------
 
     def prefetch(self, token_ids: Sequence[int], namespace: Hashable = None) -> Prefetch | None:
@@ -217,6 +321,60 @@ class TieredKVCache:
             raise TypeError(f"prefetch: expected a Prefetch from prefetch(), got {prefetch!r}")
         if self.l3 is not None:
             self.l3.abort(prefetch)
+
+    # -- L3 at run time ------------------------------------------------------------------------
+
+    @property
+    def l3(self) -> L3Tier | None:
+        """The L3 tier in use (also while it drains for a detach), or None."""
+        return self._storage.tier
+
+    @property
+    def storage_state(self) -> str:
+        """``"detached"``, ``"attached"``, ``"draining"`` (graceful detach) or ``"revoking"``."""
+        return self._storage.state
+
+    def attach_storage(
+        self,
+        storage: StorageConfig | StorageBackend,
+        *,
+        config: StorageConfig | None = None,
+        backfill: bool = True,
+    ) -> StorageChange:
+        """Attach L3 to the live cache: ``storage`` is a ``StorageConfig`` (its backend is built
+        now) or a backend (used as is, never closed by the cache; ``config``, else the cache's
+        ``config.storage``, else ``StorageConfig()``, says how prefetch and backup use it).
+
+        The tier is built now, so bad input raises here (``TypeError``/``ValueError``, nothing
+        changed); it takes effect in the first ``poll`` at which every TP rank has asked
+        (``kvtier.runtime.l3.attach``). Keys then equal those of a cache attached at start-up
+        (page hashes of another key seed are dropped). ``backfill``: every page already on
+        host is written to the new store at once (an agent switching backends finds its cached
+        prefixes there); pages on device only follow when they are backed up, as usual.
+        """
+        return self._storage.attach(storage, config, backfill)
+
+    def detach_storage(self, graceful: bool = True, timeout_s: float = 30.0) -> StorageChange:
+        """Detach L3 from the live cache, in the first ``poll`` at which every TP rank asked.
+
+        Graceful: no new prefetch or backup is started, those in flight finish (each later
+        ``poll`` moves them on), and the tier closes once none is left; if that takes more than
+        ``timeout_s`` on the agreed clock, the rest is revoked as in a forced detach
+        (``outcome`` ``FORCED_AFTER_TIMEOUT``). Forced: prefetches are aborted and backup jobs
+        not started are skipped; what they hold is released once their IO stops. The returned
+        change is ``done`` when the tier is closed. A second detach, or one with nothing
+        attached, is a ``ValueError``.
+        """
+        return self._storage.detach(graceful, timeout_s)
+
+    def clear_storage(self) -> StorageChange:
+        """Remove the pages of the attached backend, in the first ``poll`` at which every TP
+        rank asked: whatever the backend's ``clear`` removes (``file_per_page``: the pages it
+        indexed; ``file``: every segment of the root no live writer holds; ``mooncake``: every
+        object of the cluster), and the cache forgets which pages it wrote. Writes still in
+        flight may land afterwards. A backend whose ``clear`` raises ends the change
+        ``FAILED`` with the error (counted); the cache keeps working."""
+        return self._storage.clear()
 
     def _give_mamba_state(self, req: Request, node: TreeNode) -> None:
         """A state slot for the request: a copy of the anchor's state, or zeros from position 0."""
@@ -256,7 +414,7 @@ class TieredKVCache:
             raise ValueError(f"layer: {layer} is not a model layer in [0, {n})")
         for req in requests:
             self._check_request(req)
-        self.controller.wait_layer(layer)
+        self.controller.wait_layer(self._wait_steps[layer])
         kind, pool_layer = self.layer_map[layer]
         if kind != "mamba":
             return
@@ -506,12 +664,17 @@ class TieredKVCache:
 
     def poll(self) -> tuple[int, int]:
         """Acknowledge finished backups and loads, and move L3 prefetches and backups on
-        (call once per scheduler step; under TP, one all-reduce)."""
-        extra = self.l3.local_votes() if self.l3 is not None else None
+        (call once per scheduler step; under TP, one all-reduce). Storage changes every rank
+        has asked for are applied here, and expired retention pins released (on the agreed
+        clock under TP: ``RetentionClock``)."""
+        extra = self._storage.votes(self._clock.local_ms())
         acks = self.controller.poll(extra)
-        if self.l3 is not None:
-            self.l3.apply(extra)
+        self._clock.agree(self._storage.apply(extra).clock_ms)
+        if self.tree.retention.handles:
+            self.counters.retention_expired += len(self.tree.retention.expire(self._clock.now()))
         self._metrics.sync_host()
+        if self.events is not None:
+            self.events.flush()
         return acks
 
     def evict(self, tokens: int) -> int:
@@ -537,15 +700,16 @@ class TieredKVCache:
             return
         while True:
             self.l3.wait_some(0.05)
-            self.poll()
-            left = torch.tensor([self.l3.outstanding], dtype=torch.int64)
+            self.poll()  # may end a detach: then nothing is outstanding
+            left = torch.tensor([self.l3.outstanding if self.l3 else 0], dtype=torch.int64)
             if int(all_reduce_max(left, self.controller.tp_group)) == 0:
                 return
 
     def close(self) -> None:
         """Stop the L3 threads and release the backend (after ``drain``)."""
-        if self.l3 is not None:
-            self.l3.close()
+        if self.events is not None:
+            self.events.close()  # publishes that this instance holds nothing any more
+        self._storage.close()
 
     def request_owned(self) -> dict[str, int]:
         owned = {"kv": 0, "swa": 0, "mamba": 0}
@@ -562,6 +726,7 @@ class TieredKVCache:
         host slots in-flight prefetches hold)."""
         held = self.l3.held_by_ops() if self.l3 is not None else None
         self.tree.check_integrity(self.request_owned(), held)
+        self.tree.retention.check(self._retention_budget)
 
     def metrics(self) -> dict[str, float]:
         """Every counter as a flat dict (``CacheMetrics.snapshot``): hit tokens per tier, bytes,

@@ -17,22 +17,30 @@ from typing import Any
 
 import torch
 
+from kvtier.kernels.dispatch import check_io_backend
 from kvtier.kernels.kv_transfer import TransferKnobs
 from kvtier.kernels.layout import HostLayout
+from kvtier.runtime.pools.indexer import INDEXER, indexer_spec
 from kvtier.runtime.pools.mamba import MambaStateSpec
+from kvtier.runtime.pools.sidecar import SidecarSpec
 
 __all__ = [
+    "FULL_POOLS",
     "LAYER_KINDS",
     "PREFETCH_POLICIES",
+    "RETENTION_OVERFLOW",
     "WRITE_POLICIES",
     "CacheConfig",
     "KVTierConfigWarning",
+    "SidecarSpec",
     "StorageConfig",
 ]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 LAYER_KINDS = ("full", "swa", "mamba")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+RETENTION_OVERFLOW = ("refuse", "evict_lowest")
+FULL_POOLS = ("kv", "logical")
 
 
 class KVTierConfigWarning(UserWarning):
@@ -192,7 +200,14 @@ class CacheConfig:
         indexer: keep the DSA indexer's per-token 128-byte fp8 key and 4-byte fp32 scale of every
             full layer (``IndexerDevicePool``, stored per page). It has no slots of its own:
             its pages are the FULL pool's pages, and move (D→H, H→D, to and from L3) and are
-            evicted with them.
+            evicted with them. It is the sidecar ``"indexer"`` (see ``sidecars``).
+        sidecars: byte pools addressed through the pages of an anchor pool (``SidecarSpec``:
+            anchor ``"kv"`` or ``"swa"``, tokens per entry, bytes per entry and layer, model
+            layers); each moves with its anchor's pages through every tier.
+        full_pool: ``"kv"``: the FULL pool holds the full layers' K/V (or MLA latents);
+            ``"logical"``: index-only FULL pages (DeepSeek V4): the tree's identity and
+            capacity, no bytes on device or host, nothing copied; the data is in KV-anchored
+            sidecars (at least one), and no layer is "full".
         page_size: tokens per page P.
         device_tokens: FULL device token slots.
         swa_window: sliding window in tokens (needed when a layer is "swa").
@@ -209,9 +224,22 @@ class CacheConfig:
         load_back_min_tokens: host hits shorter than this are recomputed instead of loaded.
         load_back_max_tokens: a load larger than this is refused (recomputed); None: no limit.
         knobs: copy-kernel launch knobs (grid cap, tile bytes, warps).
+        io_backend: how KV/SWA pages move between device and host: "copy_engine"
+            (``cudaMemcpyBatchAsync``, no SMs; needs CUDA >= 12.8 and ``kvtier[cuda]``), "kernel"
+            (the Triton copy kernel) or "auto" (the copy engine where it wins, per transfer:
+            ``kvtier.kernels.dispatch.CROSSOVERS``). Where the copy engine cannot run (no CUDA,
+            no cuda-bindings, an old driver, a ``page_first`` host layout) the kernel runs, and
+            the reason is counted (``controller.stats.route_reasons``).
         device: where device pools live: "cpu" or an available CUDA device.
         model_id: checkpoint identity (name and revision); seeds every L3 page key.
         storage: the L3 tier, or None for none (needs ``model_id``).
+        retention_device_tokens, retention_host_tokens: what retention pins
+            (``TieredKVCache.pin``) may hold, in FULL tokens, per tier; each bounds the union of
+            all retained tokens, since a retained prefix can sit on either tier. None: half the
+            tier's pool; 0: no pins.
+        retention_overflow: a pin over the budget is ``"refuse"``d, or (``"evict_lowest"``)
+            pins of lower priority are dropped, lowest first, to make room.
+        retention_refresh_on_hit: a match covering a pinned prefix restarts its TTL.
     """
 
     layer_kinds: tuple[str, ...]
@@ -222,6 +250,8 @@ class CacheConfig:
     dtype: torch.dtype = torch.bfloat16
     mla_dim: int | None = None
     indexer: bool = False
+    sidecars: tuple[SidecarSpec, ...] = ()
+    full_pool: str = "kv"
     swa_window: int | None = None
     swa_tokens: int | None = None
     mamba: MambaStateSpec | None = None
@@ -234,16 +264,23 @@ class CacheConfig:
     load_back_min_tokens: int = 1
     load_back_max_tokens: int | None = None
     knobs: TransferKnobs | None = field(default=None, compare=False)
+    io_backend: str = "auto"
     device: str | torch.device = "cpu"
     model_id: str = ""
     storage: StorageConfig | None = None
+    retention_device_tokens: int | None = None
+    retention_host_tokens: int | None = None
+    retention_overflow: str = "refuse"
+    retention_refresh_on_hit: bool = True
 
     def __post_init__(self) -> None:
         self._check_types()
         self._check_layers()
+        self._check_sidecars()
         self._check_sizes()
         self._check_policies()
         self._check_host()
+        self._check_retention()
         if self.storage is not None and not self.model_id:
             raise ValueError(
                 "model_id: needed with storage (L3 keys must name the checkpoint, or two models "
@@ -277,6 +314,14 @@ class CacheConfig:
         _real(self, "host_ratio", optional=True)
         _dtype(self.dtype, "dtype")
         _typed(self, "indexer", bool, "a bool")
+        _typed(self, "full_pool", str, f"one of {FULL_POOLS}")
+        cars = self.sidecars
+        if isinstance(cars, SidecarSpec) or not isinstance(cars, (tuple, list)):
+            raise TypeError(f"sidecars: expected a tuple of SidecarSpec, got {cars!r}")
+        for i, c in enumerate(cars):
+            if not isinstance(c, SidecarSpec):
+                raise TypeError(f"sidecars[{i}]: expected a SidecarSpec, got {c!r}")
+        object.__setattr__(self, "sidecars", tuple(cars))
         _typed(self, "mamba", (MambaStateSpec, type(None)), "a MambaStateSpec or None")
         _typed(self, "host_layout", str, "a host layout name (str)")
         _typed(self, "mamba_host_layout", str, "a str")
@@ -293,7 +338,17 @@ class CacheConfig:
         bad = [k for k in kinds if k not in LAYER_KINDS]
         if bad:
             raise ValueError(f"layer_kinds: unknown kind {bad[0]!r}; choose from {LAYER_KINDS}")
-        if "full" not in kinds:
+        if self.full_pool not in FULL_POOLS:
+            raise ValueError(f"full_pool: unknown {self.full_pool!r}; choose from {FULL_POOLS}")
+        if self.full_pool == "logical":
+            if "full" in kinds:
+                raise ValueError(
+                    "layer_kinds: a logical full_pool holds no bytes, so no layer can be 'full' "
+                    "(the data of its positions lives in KV-anchored sidecars)"
+                )
+            if self.mla_dim is not None or self.indexer:
+                raise ValueError("full_pool: 'logical' has no full layers for mla_dim or indexer")
+        elif "full" not in kinds:
             raise ValueError("layer_kinds: at least one full-attention layer anchors the cache")
         if self.mla_dim is not None:
             if self.mla_dim < 1:
@@ -309,6 +364,33 @@ class CacheConfig:
             raise ValueError("swa_window: needed (positive) when a layer is 'swa'")
         if "mamba" in kinds and (self.mamba is None or self.mamba_slots is None):
             raise ValueError("mamba, mamba_slots: needed when a layer is 'mamba'")
+
+    def _check_sidecars(self) -> None:
+        names: set[str] = set()
+        for i, c in enumerate(self.all_sidecars):
+            if c.name in names:
+                hint = " (indexer=True adds one)" if c.name == INDEXER else ""
+                raise ValueError(f"sidecars[{i}]: duplicate sidecar name {c.name!r}{hint}")
+            names.add(c.name)
+            if c.anchor == "swa" and "swa" not in self.layer_kinds:
+                raise ValueError(
+                    f"sidecars[{i}]: {c.name!r} is anchored on 'swa', but no layer is 'swa'"
+                )
+            if self.page_size % c.ratio:
+                raise ValueError(
+                    f"sidecars[{i}]: page_size={self.page_size!r} is not a multiple of the "
+                    f"ratio {c.ratio} of sidecar {c.name!r} (a page holds whole entries)"
+                )
+            if c.layers[-1] >= len(self.layer_kinds):
+                raise ValueError(
+                    f"sidecars[{i}]: {c.name!r} holds layer {c.layers[-1]}, but the model has "
+                    f"{len(self.layer_kinds)} layers"
+                )
+        if self.full_pool == "logical" and not any(c.anchor == "kv" for c in self.sidecars):
+            raise ValueError(
+                "sidecars: a logical full_pool needs at least one KV-anchored sidecar to hold "
+                "the data of its pages"
+            )
 
     def _check_sizes(self) -> None:
         P = self.page_size
@@ -361,6 +443,7 @@ class CacheConfig:
                 f"write_policy: unknown {self.write_policy!r}; choose from {WRITE_POLICIES}"
             )
         HostLayout.parse(self.host_layout, arg="host_layout")
+        check_io_backend(self.io_backend)
         if self.mamba_host_layout != "flat":
             raise ValueError(
                 f"mamba_host_layout: Mamba host pools support only 'flat' (one contiguous page "
@@ -381,6 +464,23 @@ class CacheConfig:
                 f"host_tokens: host pool of {host} tokens is smaller than the device pool of "
                 f"{self.device_tokens}; the host tier must be able to hold what the device holds"
             )
+
+    def _check_retention(self) -> None:
+        for name, pool in (
+            ("retention_device_tokens", self.device_tokens),
+            ("retention_host_tokens", self.host_kv_tokens),
+        ):
+            _int(self, name, optional=True, minimum=0)
+            v = getattr(self, name)
+            if v is not None and v > pool:
+                raise ValueError(f"{name}={v!r} is larger than the tier's pool of {pool} tokens")
+        _typed(self, "retention_overflow", str, f"one of {RETENTION_OVERFLOW}")
+        if self.retention_overflow not in RETENTION_OVERFLOW:
+            raise ValueError(
+                f"retention_overflow: unknown {self.retention_overflow!r}; choose from "
+                f"{RETENTION_OVERFLOW}"
+            )
+        _typed(self, "retention_refresh_on_hit", bool, "a bool")
 
     def _warn_self_defeating(self) -> None:
         if (
@@ -406,6 +506,13 @@ class CacheConfig:
             self.storage is not None and self.storage.rank_replicated
         )
 
+    @property
+    def all_sidecars(self) -> tuple[SidecarSpec, ...]:
+        """``sidecars``, after the DSA indexer's when ``indexer``."""
+        if not self.indexer:
+            return self.sidecars
+        return (indexer_spec(self.layers_of("full")), *self.sidecars)
+
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k == kind]
 
@@ -422,6 +529,15 @@ class CacheConfig:
     @property
     def ratio(self) -> float:
         return self.host_kv_tokens / self.device_tokens
+
+    @property
+    def retention_budget(self) -> tuple[int, int]:
+        """Retained FULL tokens allowed on (device, host); None fields resolved."""
+        dev, host = self.retention_device_tokens, self.retention_host_tokens
+        return (
+            self.device_tokens // 2 if dev is None else dev,
+            self.host_kv_tokens // 2 if host is None else host,
+        )
 
     @property
     def swa_device_tokens(self) -> int:

@@ -2,9 +2,10 @@
 
 Four sources, one reader:
 
-    CacheCounters      requests, prompt tokens, hits per tier, load-backs, evictions (facade)
+    CacheCounters      requests, prompt tokens, hits per tier, load-backs, evictions, retention
+                       pins by outcome (facade)
     TransferStats      device<->host copies: bytes, the copies' own time, submit-to-ack latency
-    StorageMetrics     per tier: hit tokens, bytes and seconds, prefetch outcomes, checksum
+    TierMetrics     per tier: hit tokens, bytes and seconds, prefetch outcomes, checksum
                        misses, failed pages, the storage circuit breaker (L3 backends count here)
     L3Tier.counters    L3 decisions: load or recompute, prefetches revoked (``RevokeReason``),
                        not started, cut for host room, pages backed up
@@ -19,9 +20,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from kvtier.metrics import Direction, Tier, TierMetrics
 from kvtier.runtime.controller import TransferStats
 from kvtier.runtime.l3.prefetch import RevokeReason
-from kvtier.storage import Direction, StorageMetrics, Tier
 
 __all__ = ["CacheCounters", "CacheMetrics"]
 
@@ -37,6 +38,13 @@ class CacheCounters:
     load_backs: int = 0
     load_backs_skipped: int = 0
     evicted_tokens: int = 0
+    # Retention pins: taken, refused over the budget, dropped for a higher-priority pin over the
+    # budget (``retention_overflow="evict_lowest"``), expired, and TTLs restarted by a hit.
+    retention_pins: int = 0
+    retention_refused: int = 0
+    retention_dropped: int = 0
+    retention_expired: int = 0
+    retention_refreshed: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -46,7 +54,7 @@ class CacheMetrics:
     """The counters of one cache (see the module docstring)."""
 
     def __init__(
-        self, tiers: StorageMetrics, transfers: TransferStats, l3_counters: Counter | None
+        self, tiers: TierMetrics, transfers: TransferStats, l3_counters: Counter | None
     ) -> None:
         self.counters = CacheCounters()
         self.tiers = tiers
@@ -74,7 +82,8 @@ class CacheMetrics:
             self.tiers.add_transfer(Tier.HOST, Direction.READ, seen[2] - old[2], seen[3] - old[3])
 
     def snapshot(self) -> dict[str, float]:
-        """Every counter as a flat dict: the facade's, the copies' (``d2h_*``, ``h2d_*``), per
+        """Every counter as a flat dict: the facade's, the copies' (``d2h_*``, ``h2d_*``, the path
+        each planned copy took: ``copy_path.h2d.copy_engine``, ``copy_route.<reason>``), per
         tier (``tier.hit_tokens.storage``, ``tier.gbps.storage.read``, ``tier.prefetch.complete``,
         ...) and the L3 decisions (``l3.*``)."""
         s = self.transfers
@@ -93,6 +102,8 @@ class CacheMetrics:
             d2h_ack_ms_mean=1e3 * s.d2h_ack_seconds / s.d2h_acked if s.d2h_acked else 0.0,
             h2d_ack_ms_mean=1e3 * s.h2d_ack_seconds / s.h2d_acked if s.h2d_acked else 0.0,
         )
+        out.update({f"copy_path.{k}": v for k, v in sorted(s.paths.items())})
+        out.update({f"copy_route.{k}": v for k, v in sorted(s.route_reasons.items())})
         out.update({f"tier.{k}": v for k, v in self.tiers.snapshot().items()})
         if self.l3_counters is not None:
             out.update({f"l3.{k}": v for k, v in sorted(self.l3_counters.items())})
@@ -125,10 +136,37 @@ class CacheMetrics:
                 ],
             ),
             (
+                "kvtier_retention_pins_total",
+                "counter",
+                "Retention pins by outcome.",
+                [
+                    ({"outcome": "pinned"}, c.retention_pins),
+                    ({"outcome": "refused"}, c.retention_refused),
+                    ({"outcome": "dropped"}, c.retention_dropped),
+                    ({"outcome": "expired"}, c.retention_expired),
+                    ({"outcome": "refreshed"}, c.retention_refreshed),
+                ],
+            ),
+            (
                 "kvtier_copies_total",
                 "counter",
                 "Device-host copies issued.",
                 [({"direction": "d2h"}, s.backups), ({"direction": "h2d"}, s.loads)],
+            ),
+            (
+                "kvtier_copy_plans_total",
+                "counter",
+                "Planned device-host copies (one per pool pair per batch), by the path taken.",
+                [
+                    ({"direction": k.split(".", 1)[0], "path": k.split(".", 1)[1]}, v)
+                    for k, v in sorted(s.paths.items())
+                ],
+            ),
+            (
+                "kvtier_copy_route_reasons_total",
+                "counter",
+                "Why each planned copy took its path (kvtier.kernels.dispatch.RouteReason).",
+                [({"reason": k}, v) for k, v in sorted(s.route_reasons.items())],
             ),
             (
                 "kvtier_copy_ack_seconds_total",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+# The counters moved to kvtier.metrics (every layer shares them); the old name stays importable here.
+from kvtier.metrics import Direction, PrefetchOutcome, StorageMetrics, Tier
 from kvtier.storage.base import (
     ALL_PAGES,
     TRAILING_PAGES,
@@ -15,7 +17,6 @@ from kvtier.storage.base import (
     usable_prefix,
 )
 from kvtier.storage.keys import KeyScope, Namespace, page_hashes
-from kvtier.storage.metrics import Direction, PrefetchOutcome, StorageMetrics, Tier
 
 __all__ = [
     "ALL_PAGES",

@@ -34,8 +34,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import NamedTuple
+
+from kvtier.metrics import BreakerEvent, BreakerState
 
 __all__ = [
     "Backoff",
@@ -48,19 +49,6 @@ __all__ = [
 ]
 
 Clock = Callable[[], float]
-
-
-class BreakerState(str, Enum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
-
-
-class BreakerEvent(str, Enum):
-    OPENED = "opened"  # closed -> open, or a failed probe: half_open -> open
-    PROBE = "probe"  # open -> half_open: one call let through to test the store
-    SHORT_CIRCUITED = "short_circuited"  # a call refused without touching the store
-    RECOVERED = "recovered"  # a probe succeeded: half_open -> closed
 
 
 class Ticket(NamedTuple):

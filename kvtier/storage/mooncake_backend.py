@@ -68,6 +68,7 @@ from enum import Enum
 
 import torch
 
+from kvtier.metrics import TierMetrics
 from kvtier.storage.base import Parts, StorageBackend
 from kvtier.storage.breaker import (
     Backoff,
@@ -77,7 +78,6 @@ from kvtier.storage.breaker import (
     RetryPolicy,
 )
 from kvtier.storage.keys import KeyScope
-from kvtier.storage.metrics import StorageMetrics
 from kvtier.storage.page_format import HEADER_SIZE, buffer_of, make_header, verify
 
 __all__ = ["MooncakeBackend", "MooncakeConfig"]
@@ -236,7 +236,7 @@ class MooncakeBackend(StorageBackend):
         config: MooncakeConfig,
         *,
         scope: KeyScope | None = None,
-        metrics: StorageMetrics | None = None,
+        metrics: TierMetrics | None = None,
     ):
         super().__init__(scope=scope, metrics=metrics)
         try:

@@ -44,6 +44,15 @@ def test_snapshot_and_text_agree():
     assert "kvtier_requests_total 2" in text
     assert f"kvtier_evicted_tokens_total {m['evicted_tokens']}" in text
     assert 'kvtier_copies_total{direction="d2h"} ' + str(m["backups"]) in text
+    # Every planned copy is counted by the path it took (on CPU: the torch reference or the
+    # interpreter), in the snapshot and in the text alike.
+    paths = {k: v for k, v in m.items() if k.startswith("copy_path.d2h.")}
+    assert paths and sum(paths.values()) >= 1
+    for key, v in paths.items():
+        path = key.rsplit(".", 1)[1]
+        assert f'kvtier_copy_plans_total{{direction="d2h",path="{path}"}} {v}' in text
+    reasons = {k: v for k, v in m.items() if k.startswith("copy_route.")}
+    assert sum(reasons.values()) == sum(v for k, v in m.items() if k.startswith("copy_path."))
 
 
 def test_collector_joins_a_prometheus_client_registry():

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kvtier.storage import StorageBackend, StorageMetrics, create_backend
+from kvtier.metrics import TierMetrics
+from kvtier.storage import StorageBackend, create_backend
 
 MASTER_START_TIMEOUT_S = 20.0
 ARENA_BYTES = 48 << 20  # host memory all test pages are carved from; registered once
@@ -196,6 +197,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageB
         return
     shared = request.getfixturevalue("mooncake_backend")
     shared.clear()
-    shared.metrics = StorageMetrics()
+    shared.metrics = TierMetrics()
     yield shared
     shared.clear()

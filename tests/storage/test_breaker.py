@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvtier.storage import StorageMetrics
+from kvtier.metrics import TierMetrics
 from kvtier.storage.breaker import (
     Backoff,
     BreakerEvent,
@@ -240,7 +240,7 @@ def test_backoff_budget_runs_from_since() -> None:
 
 
 def test_breaker_state_in_metrics() -> None:
-    m = StorageMetrics()
+    m = TierMetrics()
     clock = FakeClock()
     b = CircuitBreaker(1, 1.0, 1.0, clock=clock, on_event=m.record_breaker)
     failing_calls(b, 1)

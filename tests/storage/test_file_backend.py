@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.storage import KeyScope, Namespace, PoolTransfer, StorageMetrics, page_hashes
+from kvtier.metrics import TierMetrics
+from kvtier.storage import KeyScope, Namespace, PoolTransfer, page_hashes
 from kvtier.storage.file_backend import FilePerPageBackend as FileBackend
 from kvtier.storage.page_format import HEADER_SIZE
 
 
 def per_page(
-    *, scope: KeyScope | None = None, metrics: StorageMetrics | None = None, **config: object
+    *, scope: KeyScope | None = None, metrics: TierMetrics | None = None, **config: object
 ) -> FileBackend:
     """The per-page file store (``create_backend("file")`` is the segment store, tested in
     ``test_segment_store.py``): these tests pin its per-page-file format and defences."""

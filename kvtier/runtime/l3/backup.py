@@ -5,11 +5,13 @@ host-pins every node it covers; a background thread writes it, auxiliary pools (
 first, then KV, in batches, reading the host pool's pages in place (layer_first pools are packed
 through a staging buffer). Failed pages are retried a bounded number of times; what still fails
 is counted as a backup failure and never marked stored. The pins are released when every TP rank
-has finished the job (``L3Tier.poll``), so all trees unpin in the same step.
+has finished the job (``L3Tier.poll``), so all trees unpin in the same step. Jobs that write a
+retained prefix (a retention pin covers one of their nodes) are written before the others.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.metrics import TierMetrics
 from kvtier.runtime.l3.pools import L3Pool
 from kvtier.runtime.tree.types import HostPinHandle
-from kvtier.storage import PoolTransfer, StorageBackend, StorageMetrics
+from kvtier.storage import PoolTransfer, StorageBackend
 
 __all__ = ["BackupJob", "BackupWriter"]
 
@@ -40,6 +43,7 @@ class BackupJob:
     done: threading.Event = field(default_factory=threading.Event)
     stored: list[tuple[str, str]] = field(default_factory=list)
     failed_pages: int = 0
+    revoked_pages: int = 0  # not written because a forced detach cancelled the writer
 
     @property
     def num_pages(self) -> int:
@@ -63,7 +67,7 @@ class BackupWriter:
         backend: StorageBackend,
         pools: dict[str, L3Pool],
         retries: int,
-        metrics: StorageMetrics,
+        metrics: TierMetrics,
         writes: bool,
     ) -> None:
         self.backend = backend
@@ -71,30 +75,42 @@ class BackupWriter:
         self.retries = retries
         self.metrics = metrics
         self.writes = writes
-        self._queue: queue.Queue[BackupJob | None] = queue.Queue()
+        self.events = None  # a kvtier.events sink: told which pages reached the store
+        # Set by a forced detach: jobs not started are finished unwritten, a job in progress
+        # stops at its next batch (pages are never torn: a batch in progress completes).
+        self.cancel = threading.Event()
+        # (rank, sequence, job): retained prefixes first (rank 0), then in submission order;
+        # the stop marker (rank 2) after every job submitted before it.
+        self._queue: queue.PriorityQueue[tuple[int, int, BackupJob | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kvtier-l3-backup", daemon=True)
         self._thread.start()
 
     def submit(self, job: BackupJob) -> None:
-        self._queue.put(job)
+        retained = any(pin.node.retention is not None for pin in job.pins)
+        self._queue.put((0 if retained else 1, next(self._seq), job))
 
     def close(self, timeout: float) -> None:
-        self._queue.put(None)
+        self._queue.put((2, next(self._seq), None))
         self._thread.join(timeout)
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            _, _, job = self._queue.get()
             if job is None:
                 return
             try:
-                if self.writes:
+                if self.writes and not self.cancel.is_set():
                     self._write(job)
+                elif self.cancel.is_set():
+                    job.revoked_pages = job.num_pages
             except Exception:  # a backend bug must not kill the thread: count the job failed
                 log.exception("L3 backup job of %d pages failed", job.num_pages)
                 job.failed_pages = job.num_pages - len(job.stored)
             if job.failed_pages:
                 self.metrics.add_backup_failure(job.failed_pages)
+            if self.events is not None and job.stored:
+                self.events.storage_stored(job.stored)
             job.done.set()
 
     def _write(self, job: BackupJob) -> None:
@@ -107,6 +123,9 @@ class BackupWriter:
             pool = self.pools[name]
             B = pool.batch_pages
             for i in range(0, len(hashes), B):
+                if self.cancel.is_set():
+                    job.revoked_pages = job.num_pages - len(job.stored) - job.failed_pages
+                    return
                 ok = self._write_batch(pool, hashes[i : i + B], pages[i : i + B])
                 job.stored += [(name, h) for h, good in zip(hashes[i : i + B], ok) if good]
                 failed = len(ok) - sum(ok)

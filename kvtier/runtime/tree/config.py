@@ -18,6 +18,7 @@ from kvtier.runtime.tree.match import Matcher
 from kvtier.runtime.tree.node import TreeNode
 from kvtier.runtime.tree.pins import Pins
 from kvtier.runtime.tree.requests import RequestCache
+from kvtier.runtime.tree.retention import Retention
 from kvtier.runtime.tree.tiers import HostTier
 from kvtier.runtime.tree.tree import UnifiedRadixTree
 
@@ -113,5 +114,6 @@ def build_tree(
         HostTier(tree),
         RequestCache(tree),
         Integrity(tree),
+        Retention(tree),
     )
     return tree

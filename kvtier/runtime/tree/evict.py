@@ -13,6 +13,10 @@ Order and rules:
   pinned lower-priority component there is a stranded pin and raises.
 - Host eviction mirrors this: FULL pops host leaves (evicted, backed up, childless, unpinned) and
   deletes them; SWA and MAMBA scan their host-only LRU.
+- Retained nodes (``retention.py``) go last: on device their leaves sort after every unretained
+  leaf (then by pin priority and last access), and they are only demoted, never deleted; their
+  SWA and MAMBA device data go, after all unretained data, only where a host copy exists. On
+  host they are not evicted at all.
 
 Empty tombstones cannot arise: every node keeps FULL data on some tier until it is deleted, and
 a deleted node is always a leaf, so no upward cleanup pass is needed.
@@ -82,14 +86,31 @@ class Eviction:
 
     def _leaf_order(self, node: TreeNode) -> tuple:
         if self.tree.eviction_policy == "priority":
-            return (node.priority, node.last_access, node.id)
-        return (node.last_access, node.id)
+            key = (node.priority, node.last_access, node.id)
+        else:
+            key = (node.last_access, node.id)
+        if not self.tree.retention.handles:
+            return key
+        # Retained leaves after every unretained one, then by their pins' priority.
+        r = node.retention
+        return (r is not None, 0 if r is None else r, *key)
 
     # -- device --------------------------------------------------------------------------------
 
-    def _evict_full_device(self, target: int, freed: list[int]) -> None:
-        heap = [(self._leaf_order(n), n) for n in self.tree.device_leaves]
+    def _leaf_heap(self, leaves: set[TreeNode]) -> list[tuple]:
+        # Built inline (not through _leaf_order): an eviction call orders every leaf once, and a
+        # method call per leaf was a fifth of the call's cost.
+        if self.tree.retention.handles:
+            heap = [(self._leaf_order(n), n) for n in leaves]
+        elif self.tree.eviction_policy == "priority":
+            heap = [((n.priority, n.last_access, n.id), n) for n in leaves]
+        else:
+            heap = [((n.last_access, n.id), n) for n in leaves]
         heapq.heapify(heap)
+        return heap
+
+    def _evict_full_device(self, target: int, freed: list[int]) -> None:
+        heap = self._leaf_heap(self.tree.device_leaves)
         while freed[0] < target and heap:
             _, node = heapq.heappop(heap)
             if node not in self.tree.device_leaves:
@@ -99,7 +120,16 @@ class Eviction:
                 heapq.heappush(heap, (self._leaf_order(parent), parent))
 
     def _evict_device_leaf(self, node: TreeNode, freed: list[int]) -> bool:
-        """Evict a device leaf with all components; False if it must stay (write-back failed)."""
+        """Evict a device leaf with all components; False if it must stay (write-back failed,
+        or it is retained and holds data with no host copy)."""
+        # A retained prefix is demoted, never lost: data without a host copy keeps it on device
+        # (but write-back backs up a leaf whose FULL has none, aux data with it).
+        if (
+            node.retention is not None
+            and not (self.tree.write_back and node.host_value[0] is None)
+            and self._device_only(node, self.tree.components)
+        ):
+            return False
         # Never demote data that has no host copy (SGLang #27108): a failed backup keeps the node.
         if (
             node.host_value[0] is None
@@ -110,8 +140,10 @@ class Eviction:
         for comp in reversed(self.tree.aux):
             if node.value[comp.slot] is not None:
                 freed[comp.slot] += self.tree.clear_device(node, comp.slot)
-        freed[0] += self.tree.clear_device(node, 0)
-        if node.host_value[0] is None:
+        deleted = node.host_value[0] is None
+        # A deleted leaf's books (its leaf sets, its parent's) are redone once, by _detach.
+        freed[0] += self.tree.clear_device(node, 0, update_leaves=not deleted)
+        if deleted:
             if node.children:
                 raise TreeIntegrityError(f"deleting unbacked {node} that has children")
             self.tree._detach(node)
@@ -119,14 +151,36 @@ class Eviction:
 
     def _evict_aux_device(self, comp: TreeComponent, target: int, freed: list[int]) -> None:
         s = comp.slot
+        retained = []
         for node in list(comp.device_lru.values()):
             if freed[s] >= target:
-                break
+                return
             if node.value[s] is None or node.pins[s] or not node.attached:
+                continue
+            if node.retention is not None:
+                retained.append(node)
                 continue
             if node in self.tree.device_leaves and self._evict_device_leaf(node, freed):
                 continue
             self._tombstone(node, comp, freed, host=False)
+        lower = [c for c in self.tree.aux if c.internal_priority <= comp.internal_priority]
+        for node in retained:  # last, and only data that a host copy keeps (demoted)
+            if freed[s] >= target:
+                return
+            if node.value[s] is None or node.pins[s] or not node.attached:
+                continue
+            if self._device_only(node, lower):
+                continue
+            if node in self.tree.device_leaves and self._evict_device_leaf(node, freed):
+                continue
+            self._tombstone(node, comp, freed, host=False)
+
+    @staticmethod
+    def _device_only(node: TreeNode, comps) -> bool:
+        """Some component of ``comps`` has data on device only (nothing to demote it to)."""
+        return any(
+            node.value[c.slot] is not None and node.host_value[c.slot] is None for c in comps
+        )
 
     def _tombstone(self, node: TreeNode, comp: TreeComponent, freed: list[int], host: bool) -> None:
         """Drop ``comp``'s data on one tier of ``node`` and cascade to lower-priority components."""
@@ -153,8 +207,7 @@ class Eviction:
     # -- host ----------------------------------------------------------------------------------
 
     def _evict_full_host(self, target: int, freed: list[int]) -> None:
-        heap = [(self._leaf_order(n), n) for n in self.tree.host_leaves]
-        heapq.heapify(heap)
+        heap = self._leaf_heap(self.tree.host_leaves)
         while freed[0] < target and heap:
             _, node = heapq.heappop(heap)
             if node not in self.tree.host_leaves:
@@ -175,7 +228,12 @@ class Eviction:
         for node in list(comp.host_lru.values()):
             if freed[s] >= target:
                 break
-            if node.host_value[s] is None or node.host_pins[s] or not node.attached:
+            if (
+                node.host_value[s] is None
+                or node.host_pins[s]
+                or not node.attached
+                or node.retention is not None
+            ):
                 continue
             if node in self.tree.host_leaves:
                 self._evict_host_leaf(node, freed)

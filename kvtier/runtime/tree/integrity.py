@@ -103,7 +103,8 @@ class Integrity:
         parent, P = node.parent, self.tree.page_size
         if (
             not node.attached
-            or parent.children.get(self.tree._child_key(node, node.key)) is not node
+            or node.ckey != self.tree._child_key(node, node.key)
+            or parent.children.get(node.ckey) is not node
         ):
             _fail(f"{node}: not linked from its parent {parent}")
         if not node.key or len(node.key) % P:

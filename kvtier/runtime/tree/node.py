@@ -13,6 +13,9 @@ Per-component data lives in parallel lists indexed by the component's slot (FULL
     host_value[c] host indices or None (not backed up)
     pins[c]       device pin count
     host_pins[c]  host pin count
+
+``retention`` marks a node covered by retention pins (``retention.py``): the highest priority
+among them, None when it is not retained.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class TreeNode:
     __slots__ = (
         "attached",
         "children",
+        "ckey",
         "end",
         "hit_count",
         "host_pins",
@@ -50,6 +54,7 @@ class TreeNode:
         "parent",
         "pins",
         "priority",
+        "retention",
         "value",
     )
 
@@ -65,6 +70,7 @@ class TreeNode:
         self.namespace = namespace
         self.parent = parent
         self.children: dict[Hashable, TreeNode] = {}
+        self.ckey: Hashable = None  # this node's key in its parent's ``children`` (set on link)
         self.end = (parent.end if parent is not None else 0) + len(key)
         self.value: list[torch.Tensor | None] = [None] * num_components
         self.host_value: list[torch.Tensor | None] = [None] * num_components
@@ -73,6 +79,7 @@ class TreeNode:
         self.last_access = 0
         self.hit_count = 0
         self.priority = 0
+        self.retention: int | None = None  # highest priority of the retention pins covering it
         self.page_hashes: list[str] | None = None
         self.attached = True
 

@@ -85,7 +85,10 @@ class HostTier:
         # ancestors backed up with it need their own, or their aux slots could be freed and
         # reused while the copy still reads them.
         chain_pins = tuple(self.tree.pin(x) for x in chain[:-1]) if self.tree.aux else ()
-        return Backup(tuple(chain), _transfers(pairs, "d2h"), self.tree.pin(node), chain_pins)
+        books = Backup(tuple(chain), _transfers(pairs, "d2h"), self.tree.pin(node), chain_pins)
+        if self.tree.events is not None:
+            self.tree.events.backup_started(books)
+        return books
 
     def backup_chain(self, node: TreeNode) -> list[TreeNode]:
         """The nodes a backup of ``node`` copies, top-down: ``node`` and, with backup
@@ -118,6 +121,8 @@ class HostTier:
 
     def finish_backup(self, backup: Backup) -> None:
         """The D→H copies of ``backup`` are done: drop its device pins."""
+        if self.tree.events is not None:
+            self.tree.events.backup_done(backup)
         for handle in backup.chain_pins:
             self.tree.unpin(handle)
         self.tree.unpin(backup.pin)
@@ -286,11 +291,13 @@ class HostTier:
         if pos == total:
             return node, pos
         leaf = TreeNode(key[pos:], node, len(self.tree.components), namespace)
-        node.children[self.tree._child_key(leaf, leaf.key)] = leaf
+        self.tree._link(node, leaf)
         for name, slots in host_slots_per_pool.items():
             self.tree.set_host(leaf, comps[name].slot, slots[pos:].clone())
         if page_hashes is not None:
             leaf.page_hashes = list(page_hashes[pos // P :])
+        if self.tree.events is not None:
+            self.tree.events.host_grafted(leaf)
         self.tree._update_leaf(leaf)
         self.tree._update_leaf(node)
         self.tree._touch(leaf)
@@ -319,6 +326,8 @@ class HostTier:
 
     def finish_load_back(self, load: LoadBack) -> None:
         """The H→D copies of ``load`` are done: drop its device pin and host pin."""
+        if self.tree.events is not None:
+            self.tree.events.device_loaded(load)
         self.tree.unpin(load.pin)
         self.tree.unpin_host(load.host_pin)
         if not load.anchor.attached:

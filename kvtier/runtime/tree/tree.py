@@ -15,7 +15,8 @@ is only usable whole), SWA on one window above the node, and MAMBA on the node i
 
 This module holds construction, the books, match, insert, split and pins. Eviction
 (``evict.Eviction``), host-tier books (``tiers.HostTier``), request helpers
-(``requests.RequestCache``) and the integrity check (``integrity.Integrity``) are parts of their
+(``requests.RequestCache``), retention pins (``retention.Retention``) and the integrity check
+(``integrity.Integrity``) are parts of their
 own that act on these books; ``build_tree`` wires them in, and the methods at the end of the
 class hand their calls on.
 """
@@ -117,10 +118,13 @@ class UnifiedRadixTree:
         self.device_leaves: set[TreeNode] = set()
         self.host_leaves: set[TreeNode] = set()
         self._clock = 0
+        self.events = None  # a kvtier.events sink (set by the facade on rank 0), or None
 
-    def attach_parts(self, matcher, pins, eviction, host_tier, requests, integrity) -> None:
+    def attach_parts(
+        self, matcher, pins, eviction, host_tier, requests, integrity, retention
+    ) -> None:
         """The parts that act on this tree's books (``build_tree`` builds and attaches them)."""
-        self.matcher, self.pins = matcher, pins
+        self.matcher, self.pins, self.retention = matcher, pins, retention
         self.eviction, self.host_tier, self.requests, self.integrity = (
             eviction,
             host_tier,
@@ -170,8 +174,11 @@ class UnifiedRadixTree:
             self._update_leaf(node)
             self._update_leaf(node.parent)
 
-    def clear_device(self, node: TreeNode, slot: int) -> int:
-        """Free ``node``'s device data of component ``slot``; returns the amount freed."""
+    def clear_device(self, node: TreeNode, slot: int, *, update_leaves: bool = True) -> int:
+        """Free ``node``'s device data of component ``slot``; returns the amount freed.
+
+        ``update_leaves=False`` leaves the leaf books of ``node`` and its parent to the caller:
+        eviction passes it for a leaf it detaches next (``_detach`` does both)."""
         comp = self.components[slot]
         comp.free_device(node)
         amount = comp.amount(node)
@@ -180,11 +187,13 @@ class UnifiedRadixTree:
         else:
             self.evictable[slot] -= amount
         node.value[slot] = None
+        if slot == 0 and self.events is not None:
+            self.events.device_removed(node)
         if comp.has_lru:
             comp.device_lru.pop(node.id, None)
             if node.host_value[slot] is not None:
                 comp.host_lru[node.id] = node
-        else:
+        elif update_leaves:
             self._update_leaf(node)
             self._update_leaf(node.parent)
         return amount
@@ -201,6 +210,8 @@ class UnifiedRadixTree:
         comp = self.components[slot]
         comp.free_host(node)
         node.host_value[slot] = None
+        if slot == 0 and self.events is not None:
+            self.events.host_removed(node)
         if comp.has_lru:
             comp.host_lru.pop(node.id, None)
         return comp.amount(node)
@@ -251,9 +262,10 @@ class UnifiedRadixTree:
         return True
 
     def _is_host_leaf(self, node: TreeNode) -> bool:
-        """Host-evictable: evicted, backed up, unpinned on host, childless."""
+        """Host-evictable: evicted, backed up, unpinned on host, childless, not retained."""
         return (
-            node.value[0] is None
+            node.retention is None
+            and node.value[0] is None
             and node.host_value[0] is not None
             and not node.children
             and node.parent is not None
@@ -290,6 +302,12 @@ class UnifiedRadixTree:
     def _child_key(self, node: TreeNode, key: list[int]) -> Hashable:
         return child_key(key, 0, self.page_size, node.namespace, node.parent.parent is None)
 
+    def _link(self, parent: TreeNode, node: TreeNode) -> None:
+        """Enter ``node`` (whose ``parent`` is set) in ``parent.children``; the child key is kept
+        on the node, so unlinking it needs no key slice."""
+        node.ckey = self._child_key(node, node.key)
+        parent.children[node.ckey] = node
+
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after ``at`` tokens (page-aligned, inside the key); return the new upper
         piece. ``node`` keeps its identity and end position as the lower piece."""
@@ -298,13 +316,15 @@ class UnifiedRadixTree:
             raise ValueError(f"split of {node} at {at}: not a page boundary inside the key")
         old_parent = node.parent
         upper = TreeNode(node.key[:at], old_parent, len(self.components), node.namespace)
-        old_parent.children[self._child_key(upper, upper.key)] = upper
+        upper.ckey = node.ckey  # the same first page: the upper piece takes the node's place
+        old_parent.children[upper.ckey] = upper
         node.key = node.key[at:]
         node.parent = upper
-        upper.children[self._child_key(node, node.key)] = node
+        self._link(upper, node)
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
         upper.priority = node.priority
+        upper.retention = node.retention  # covered by exactly the retention pins covering node
         if node.page_hashes is not None:
             upper.page_hashes = node.page_hashes[: at // P]
             node.page_hashes = node.page_hashes[at // P :]
@@ -317,7 +337,7 @@ class UnifiedRadixTree:
         self, parent: TreeNode, key: list[int], value: torch.Tensor, namespace: Hashable
     ) -> TreeNode:
         leaf = TreeNode(key, parent, len(self.components), namespace)
-        parent.children[self._child_key(leaf, key)] = leaf
+        self._link(parent, leaf)
         # The books of ``set_device`` without the leaf recomputation: a fresh leaf is unpinned
         # and childless (a device leaf), and its parent now has a device child (not a leaf).
         leaf.value[0] = value.clone()
@@ -325,13 +345,15 @@ class UnifiedRadixTree:
         self.device_leaves.add(leaf)
         self.device_leaves.discard(parent)
         self.host_leaves.discard(parent)
+        if self.events is not None:
+            self.events.device_stored(leaf)
         return leaf
 
     def _detach(self, node: TreeNode) -> None:
         """Remove a node with no device data and no children from the tree; keeps ``parent`` so
         that a handle on it can still walk up."""
         parent = node.parent
-        del parent.children[self._child_key(node, node.key)]
+        del parent.children[node.ckey]
         node.attached = False
         self.device_leaves.discard(node)
         self.host_leaves.discard(node)
@@ -395,6 +417,8 @@ class UnifiedRadixTree:
                     raise TreeIntegrityError(f"{child} is evicted inside the protected prefix")
                 fresh = value[pos : pos + n]
                 self.set_device(child, 0, fresh.clone())
+                if self.events is not None:
+                    self.events.device_stored(child)
                 for comp in aux:
                     comp.on_unevict(child, pos, fresh, ctx)
             elif aux or pos + n > prev_prefix_len:
