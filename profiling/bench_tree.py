@@ -239,13 +239,28 @@ def worker(name: str, requests: int, gen0: int | None) -> Row:
 
 def spawn(name: str, requests: int, code_dir: str | None, gen0: int | None = None) -> Row:
     """``worker`` in a fresh process, importing kvtier from ``code_dir`` (None: this checkout)."""
-    env = dict(os.environ)
-    if code_dir is not None:
-        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(code_dir), os.getcwd()])
-    cmd = [sys.executable, "-m", "profiling.bench_tree", "--worker", name]
-    cmd += ["--requests", str(requests)] + (["--gen0", str(gen0)] if gen0 else [])
-    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-    d = json.loads(out.strip().splitlines()[-1])
+    args = ["--worker", name, "--requests", str(requests)] + (["--gen0", str(gen0)] if gen0 else [])
+    if code_dir is None:
+        cmd = [sys.executable, "-m", "profiling.bench_tree", *args]
+    else:
+        # An editable install puts a finder for kvtier ahead of sys.path (PYTHONPATH would lose
+        # to it): drop that finder, then import kvtier from ``code_dir``.
+        boot = (
+            "import runpy, sys; "
+            "sys.meta_path[:] = [f for f in sys.meta_path "
+            "if not getattr(f, '__module__', '').startswith('__editable__')]; "
+            f"sys.path[:0] = [{os.path.abspath(code_dir)!r}, {os.getcwd()!r}]; "
+            f"sys.argv = ['bench_tree', *{args!r}]; "
+            "runpy.run_module('profiling.bench_tree', run_name='__main__')"
+        )
+        cmd = [sys.executable, "-c", boot]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    lines = out.strip().splitlines()
+    code = lines[-2].removeprefix("kvtier from ")
+    expect = os.path.abspath(code_dir or os.getcwd())
+    if not code.startswith(expect):
+        raise RuntimeError(f"the worker imported kvtier from {code}, not from {expect}")
+    d = json.loads(lines[-1])
     d["by_pages"] = {int(k): v for k, v in d["by_pages"].items()}
     d["gc_collections"] = {int(k): v for k, v in d["gc_collections"].items()}
     return Row(**d)
@@ -283,7 +298,11 @@ def main() -> None:
     ap.add_argument("--gen0", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(asdict(worker(args.worker, args.requests, args.gen0))))
+        import kvtier
+
+        row = worker(args.worker, args.requests, args.gen0)
+        print(f"kvtier from {kvtier.__file__}")
+        print(json.dumps(asdict(row)))
         return
     rows: list[tuple[str, Row]] = []
     for name in SIZES:  # interleaved, so both checkouts see the same load

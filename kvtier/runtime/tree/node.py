@@ -10,9 +10,9 @@ every node inherits its namespace.
 Per-component data lives in parallel lists indexed by the component's slot (FULL is slot 0):
 
     value[c]      device indices (int64 tensor) or None (tombstone / evicted)
-    host_value[c] host indices or None (not backed up)
+    host_value[c] host indices or None (not backed up); write through ``own_host_values()``
     pins[c]       device pin count
-    host_pins[c]  host pin count
+    host_pins[c]  host pin count; write through ``own_host_pins()``
 
 ``retention`` marks a node covered by retention pins (``retention.py``): the highest priority
 among them, None when it is not retained.
@@ -73,15 +73,33 @@ class TreeNode:
         self.ckey: Hashable = None  # this node's key in its parent's ``children`` (set on link)
         self.end = (parent.end if parent is not None else 0) + len(key)
         self.value: list[torch.Tensor | None] = [None] * num_components
-        self.host_value: list[torch.Tensor | None] = [None] * num_components
         self.pins = [0] * num_components
-        self.host_pins = [0] * num_components
+        # Host data and host pins start as shared, immutable empty tuples and become the node's
+        # own lists on the first write (``own_host_values``, ``own_host_pins``): most nodes never
+        # reach the host tier, and every GC-tracked object a new node allocates brings CPython's
+        # next generation-0 collection closer (a pause inside some request; see bench_tree).
+        self.host_value: list[torch.Tensor | None] | tuple = _nones(num_components)
+        self.host_pins: list[int] | tuple = _zeros(num_components)
         self.last_access = 0
         self.hit_count = 0
         self.priority = 0
         self.retention: int | None = None  # highest priority of the retention pins covering it
         self.page_hashes: list[str] | None = None
         self.attached = True
+
+    def own_host_values(self) -> list[torch.Tensor | None]:
+        """``host_value`` as this node's own list, for writing."""
+        hv = self.host_value
+        if type(hv) is tuple:
+            hv = self.host_value = list(hv)
+        return hv
+
+    def own_host_pins(self) -> list[int]:
+        """``host_pins`` as this node's own list, for writing."""
+        hp = self.host_pins
+        if type(hp) is tuple:
+            hp = self.host_pins = list(hp)
+        return hp
 
     @property
     def start(self) -> int:
@@ -103,6 +121,24 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, tokens=[{self.start}, {self.end}), children={len(self.children)})"
+
+
+_NONES: dict[int, tuple[None, ...]] = {}
+_ZEROS: dict[int, tuple[int, ...]] = {}
+
+
+def _nones(n: int) -> tuple[None, ...]:
+    t = _NONES.get(n)
+    if t is None:
+        t = _NONES[n] = (None,) * n
+    return t
+
+
+def _zeros(n: int) -> tuple[int, ...]:
+    t = _ZEROS.get(n)
+    if t is None:
+        t = _ZEROS[n] = (0,) * n
+    return t
 
 
 def token_list(tokens: Sequence[int] | torch.Tensor) -> list[int]:

@@ -120,7 +120,7 @@ class Pins:
             x = x.parent
 
     def inc_host_pin(self, node: TreeNode, slot: int) -> None:
-        node.host_pins[slot] += 1
+        node.own_host_pins()[slot] += 1
         self.tree.host_leaves.discard(node)
 
     def dec_host_pin(self, node: TreeNode, slot: int) -> None:
@@ -129,7 +129,7 @@ class Pins:
             raise TreeIntegrityError(
                 f"host unpin of {node} component {self.tree.components[slot].name}: count would be {count}"
             )
-        node.host_pins[slot] = count
+        node.own_host_pins()[slot] = count
         if count == 0:
             self.tree._update_leaf(node)
 

@@ -201,7 +201,7 @@ class UnifiedRadixTree:
     def set_host(self, node: TreeNode, slot: int, host: torch.Tensor) -> None:
         """Record host indices of component ``slot`` on ``node`` (it had none)."""
         comp = self.components[slot]
-        node.host_value[slot] = host
+        node.own_host_values()[slot] = host
         if comp.has_lru and node.value[slot] is None:
             comp.host_lru[node.id] = node
 
@@ -209,7 +209,7 @@ class UnifiedRadixTree:
         """Free ``node``'s host data of component ``slot``; returns the amount freed."""
         comp = self.components[slot]
         comp.free_host(node)
-        node.host_value[slot] = None
+        node.own_host_values()[slot] = None
         if slot == 0 and self.events is not None:
             self.events.host_removed(node)
         if comp.has_lru:

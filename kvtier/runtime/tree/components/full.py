@@ -54,5 +54,5 @@ class FullComponent(TreeComponent):
         if value is not None:
             parent.value[0], child.value[0] = value[:at], value[at:]
         if host is not None:
-            parent.host_value[0], child.host_value[0] = host[:at], host[at:]
+            parent.own_host_values()[0], child.own_host_values()[0] = host[:at], host[at:]
         parent.pins[0] = child.pins[0]

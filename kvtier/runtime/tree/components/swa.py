@@ -165,13 +165,14 @@ class SWAComponent(TreeComponent):
             self.device_lru[parent.id] = parent
             self.device_lru.move_to_end(child.id)
         if host is not None:
-            parent.host_value[s], child.host_value[s] = host[:at], host[at:]
+            parent.own_host_values()[s], child.own_host_values()[s] = host[:at], host[at:]
             if value is None:
                 self.host_lru[parent.id] = parent
                 self.host_lru.move_to_end(child.id)
         # A window pin covers consecutive nodes, so both pieces are inside it.
         parent.pins[s] = child.pins[s]
-        parent.host_pins[s] = child.host_pins[s]
+        if child.host_pins[s]:
+            parent.own_host_pins()[s] = child.host_pins[s]
 
     # -- LRU -------------------------------------------------------------------------------
 
