@@ -13,6 +13,7 @@ from kvtier.runtime.tree.components import (
     TreeComponent,
 )
 from kvtier.runtime.tree.evict import Eviction
+from kvtier.runtime.tree.insert import Inserter
 from kvtier.runtime.tree.integrity import Integrity
 from kvtier.runtime.tree.match import Matcher
 from kvtier.runtime.tree.node import TreeNode
@@ -109,6 +110,7 @@ def build_tree(
     )
     tree.attach_parts(
         Matcher(tree),
+        Inserter(tree),
         Pins(tree),
         Eviction(tree),
         HostTier(tree),

@@ -13,7 +13,8 @@ Books kept here (all recounted by ``check_integrity``):
 Pins are reference counts. A device ``pin`` pins FULL on the whole path to the root (a prefix
 is only usable whole), SWA on one window above the node, and MAMBA on the node itself.
 
-This module holds construction, the books, match, insert, split and pins. Eviction
+This module holds construction, the books, split and the node links. Match
+(``match.Matcher``), insert (``insert.Inserter``), pins (``pins.Pins``), eviction
 (``evict.Eviction``), host-tier books (``tiers.HostTier``), request helpers
 (``requests.RequestCache``), retention pins (``retention.Retention``) and the integrity check
 (``integrity.Integrity``) are parts of their
@@ -29,12 +30,11 @@ import torch
 
 from kvtier.runtime.tree.components import (
     FullComponent,
-    InsertContext,
     MambaComponent,
     SWAComponent,
     TreeComponent,
 )
-from kvtier.runtime.tree.node import TreeNode, child_key, token_list
+from kvtier.runtime.tree.node import TreeNode, child_key
 from kvtier.runtime.tree.types import (
     Backup,
     EvictResult,
@@ -46,7 +46,6 @@ from kvtier.runtime.tree.types import (
     PinHandle,
     TreeIntegrityError,
 )
-from kvtier.runtime.tree.walk import step
 
 __all__ = ["UnifiedRadixTree"]
 
@@ -121,10 +120,10 @@ class UnifiedRadixTree:
         self.events = None  # a kvtier.events sink (set by the facade on rank 0), or None
 
     def attach_parts(
-        self, matcher, pins, eviction, host_tier, requests, integrity, retention
+        self, matcher, inserter, pins, eviction, host_tier, requests, integrity, retention
     ) -> None:
         """The parts that act on this tree's books (``build_tree`` builds and attaches them)."""
-        self.matcher, self.pins, self.retention = matcher, pins, retention
+        self.matcher, self.inserter, self.pins, self.retention = matcher, inserter, pins, retention
         self.eviction, self.host_tier, self.requests, self.integrity = (
             eviction,
             host_tier,
@@ -364,6 +363,8 @@ class UnifiedRadixTree:
 
     # -- insert -----------------------------------------------------------------------------
 
+    # -- the parts' calls ----------------------------------------------------------------------
+
     def insert(
         self,
         token_ids: Sequence[int] | torch.Tensor,
@@ -376,88 +377,17 @@ class UnifiedRadixTree:
         namespace: Hashable = None,
         unfinished: bool = False,
     ) -> InsertResult:
-        """Cache ``token_ids`` (truncated to whole pages) with FULL slots ``value``.
-
-        Args:
-            value: int64 ``[>= aligned len]`` FULL slots of the request, one per token.
-            prev_prefix_len: the request's protected prefix (slots it got from the tree); slots
-                at or past it that duplicate tree data are freed here, exactly once.
-            swa_evicted_seqlen: page-aligned; the request's slots below it have no SWA data.
-            mamba_value: one-slot tensor: the request's state at the end of the key.
-            unfinished: the request keeps running (``cache_unfinished_req``); an SWA tombstone
-                that cannot take its slots stops the insert and the request keeps them.
-
-        Evicted (host-only) nodes on the path take the request's slots back ("unevict").
-        """
-        P = self.page_size
-        if swa_evicted_seqlen % P:
-            raise ValueError(f"swa_evicted_seqlen={swa_evicted_seqlen} is not a multiple of P={P}")
-        tokens = token_list(token_ids)
-        total = len(tokens) - len(tokens) % P
-        if value.numel() < total:
-            raise ValueError(f"value has {value.numel()} slots for {total} tokens")
-        aux = self.aux
-        ctx = None
-        if aux:
-            ctx = InsertContext(prev_prefix_len, swa_evicted_seqlen, mamba_value, unfinished)
-        root = self.root
-        node, pos = root, 0
-        child, n = step(root, tokens, 0, total, P, namespace)
-        while child is not None:
-            if n < len(child.key):
-                child = self.split(child, n)
-            for comp in aux:
-                cut = comp.insert_split_point(child, pos, n, ctx)
-                if cut is not None:
-                    child = self.split(child, cut)
-                    n = cut
-            child.priority = max(child.priority, priority)
-            if child.value[0] is None:
-                if pos < prev_prefix_len:
-                    raise TreeIntegrityError(f"{child} is evicted inside the protected prefix")
-                fresh = value[pos : pos + n]
-                self.set_device(child, 0, fresh.clone())
-                if self.events is not None:
-                    self.events.device_stored(child)
-                for comp in aux:
-                    comp.on_unevict(child, pos, fresh, ctx)
-            elif aux or pos + n > prev_prefix_len:
-                # Nodes inside the protected prefix hold the request's own matched slots (the
-                # common case): nothing to slice or free there.
-                fresh = value[pos : pos + n]
-                consumed = n
-                for comp in aux:
-                    consumed = min(consumed, comp.on_insert_overlap(child, pos, n, fresh, ctx))
-                if aux and ctx.keep_from is not None:
-                    break
-                dup = max(0, prev_prefix_len - pos)
-                if dup < consumed:
-                    self.full.device_alloc.free(fresh[dup:consumed])
-            child.hit_count += 1
-            node = child
-            pos += n
-            # After a partial match this finds nothing (the tokens diverge from the lower piece).
-            child, n = step(node, tokens, pos, total, P, namespace)
-        kept = ctx is None or ctx.keep_from is None
-        prefix_len = pos
-        new_leaf = pos < total and kept
-        if new_leaf:
-            node = self._add_leaf(node, tokens[pos:total], value[pos:total], namespace)
-            node.priority = priority
-            node.hit_count = 1  # the insert that creates a node counts as its first
-        if node is not root and kept:
-            for comp in aux:
-                node = comp.commit_insert(node, new_leaf, ctx)
-        if node is not root:
-            path = self._touch(node)
-            for comp in aux:
-                comp.refresh(path)
-        if ctx is None:
-            return InsertResult(prefix_len, total, total, node)
-        cached = total if kept else ctx.keep_from
-        return InsertResult(prefix_len, total, cached, node, ctx.mamba_exist, ctx.mamba_adopted)
-
-    # -- the parts' calls ----------------------------------------------------------------------
+        """See ``Inserter.insert``."""
+        return self.inserter.insert(
+            token_ids,
+            value,
+            prev_prefix_len=prev_prefix_len,
+            swa_evicted_seqlen=swa_evicted_seqlen,
+            mamba_value=mamba_value,
+            priority=priority,
+            namespace=namespace,
+            unfinished=unfinished,
+        )
 
     def match_prefix(
         self,
