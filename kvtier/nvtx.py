@@ -24,7 +24,9 @@ except ImportError:  # pragma: no cover - depends on the environment
     _nvtx_pkg = None
 
 
+@functools.cache
 def _cuda_available() -> bool:
+    # Asked once: every copy call opens a range, and the query costs microseconds each time.
     return torch.cuda.is_available()
 
 

@@ -10,6 +10,10 @@ stores: reading host memory is latency-bound and wants many bytes in flight per 
 Words are the widest unsigned type that every address and size allows, and offsets carry their
 alignment (``* VEC``) so the compiler emits 16-byte accesses where 16-byte alignment holds.
 
+A launch's CPU cost is kept low: what depends on the pool pair, direction and knobs alone is
+cached per pair, and from the second call on the compiled kernel is launched directly, past
+``JITFunction.run``'s per-call binding and cache lookup (see ``_launch``).
+
 Indices are int64 tensors on the device pool's device: token slots (in page-aligned runs when
 ``page_size > 1``) or page ids (``index_unit="page"``). ``-1`` on either side skips the item.
 """
@@ -25,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.kernels.dispatch import Impl, debug_checks, select_impl
+from kvtier.kernels.dispatch import Impl, debug_checks, interpreter_enabled, select_impl
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer
 from kvtier.kernels.reference import ref_copy_kv
 from kvtier.nvtx import copy_range_name, nvtx_range
@@ -260,8 +264,18 @@ def _validate(
         raise ValueError(f"layer: {layer} outside [0, {dev.num_layers})")
     if unit not in ("token", "page"):
         raise ValueError(f"index_unit: must be 'token' or 'page', got {unit!r}")
-    _check_index(dev_idx, dev_name, dev.device)
-    _check_index(host_idx, host_name, dev.device)
+    device = dev.device
+    for t, name in ((dev_idx, dev_name), (host_idx, host_name)):
+        # One combined test on the request path; the detailed checks run (and name what is
+        # wrong) only when it fails.
+        if not (
+            isinstance(t, torch.Tensor)
+            and t.dtype is torch.int64
+            and t.dim() == 1
+            and t.device == device
+            and (t.stride(0) == 1 or t.numel() <= 1)
+        ):
+            _check_index(t, name, device)
     if dev_idx.numel() != host_idx.numel():
         raise ValueError(
             f"{dev_name} has {dev_idx.numel()} entries but {host_name} has {host_idx.numel()}"
@@ -272,7 +286,7 @@ def _validate(
         _check_index_values(host_idx, host_name, host.num_slots, P, unit)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Prepared:
     """What a launch derives from its pool pair, direction, index unit, scope and knobs alone:
     the word views and every constant argument. Cached (:func:`_prepared`), so that a call
@@ -288,6 +302,8 @@ class _Prepared:
     block_r: int
     args: tuple  # host strides and the device slot stride, in vectors
     meta: dict  # the kernel's constexprs and num_warps
+    consts: tuple  # the constexprs' values in signature order (the compiled launcher's tail)
+    compiled: object = None  # the compiled kernel, once a launch through the JIT has made it
 
 
 _PREPARED: dict[tuple, _Prepared] = {}
@@ -332,6 +348,15 @@ def _prepared(
             host.stride_layer // w,
             dev.item_bytes // w,
         ),
+        consts=(
+            d2h,
+            tpi,
+            item_words // block_w,
+            vec,
+            dev.table_unit // w,
+            block_r,
+            block_w,
+        ),
         meta=dict(
             D2H=d2h,
             TOKENS_PER_INDEX=tpi,
@@ -356,6 +381,34 @@ def _forget(key: tuple, prep_id: int) -> None:
         del _PREPARED[key]
 
 
+# Varying integer arguments at or above this go through the JIT: Triton types an int argument
+# i32 or i64 by its value, so such a value would need another compiled variant.
+_I32_MAX = 2**31 - 1
+
+# The running stream of a CUDA device, as Triton's own launch path reads it (set on first use).
+_current_stream = None
+
+
+# Triton's runtime knobs (launch hooks), where this Triton has them (3.4 and later).
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+# Launch cached compiled kernels directly (CUDA only; never in the interpreter). Tests turn it
+# off to compare both paths.
+FAST_LAUNCH = _RUNTIME_KNOBS is not None and not interpreter_enabled()
+
+
+def _hooks_off() -> bool:
+    """No launch hooks installed: profilers such as Proton set them, and only the JIT path
+    calls them, so a call goes through the JIT while they are on."""
+    rt = _RUNTIME_KNOBS
+    return _no_hook(rt.launch_enter_hook) and _no_hook(rt.launch_exit_hook)
+
+
+def _no_hook(hook: object) -> bool:
+    # Unset: None (older Triton) or an empty chain of functions (newer Triton's default).
+    return hook is None or (type(hook).__name__ == "HookChain" and not getattr(hook, "calls", 1))
+
+
 def _launch(
     dev: DeviceBuffers,
     host: HostBuffer,
@@ -372,10 +425,53 @@ def _launch(
         return
     prep = _prepared(dev, host, tpi, d2h, knobs)
     n_rows = n_tokens * prep.chunks
-    n_tiles_r = triton.cdiv(n_rows, prep.block_r)
+    n_tiles_r = (n_rows + prep.block_r - 1) // prep.block_r
     n_sel = 1 if layer is not None else dev.num_layers
     num_tiles = dev.num_buffers * n_sel * n_tiles_r
-    _kv_copy_kernel[(min(knobs.num_programs, num_tiles),)](
+    grid0 = min(knobs.num_programs, num_tiles)
+    layer_start = 0 if layer is None else layer
+    compiled = prep.compiled
+    if (
+        compiled is not None
+        and FAST_LAUNCH
+        and num_tiles <= _I32_MAX
+        and n_rows <= _I32_MAX
+        and _hooks_off()
+    ):
+        # The direct launch: what JITFunction.run ends with, minus its per-call argument
+        # binding, specialization key and cache lookup, which cost most of a launch's CPU time.
+        # Every argument that is specialized is fixed per prepared entry, so the kernel that
+        # the JIT compiled for the entry is the one it would pick again.
+        global _current_stream
+        if _current_stream is None:
+            _current_stream = triton.runtime.driver.active.get_current_stream
+        compiled.run(
+            grid0,
+            1,
+            1,
+            _current_stream(dev.device.index),
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            prep.dev_words,
+            dev.table,
+            prep.host_words,
+            dev_idx,
+            host_idx,
+            n_rows,
+            dev.num_layers,
+            layer_start,
+            n_sel,
+            host.page_size,
+            *prep.args,
+            n_tiles_r,
+            num_tiles,
+            *prep.consts,
+        )
+        return
+    kernel = _kv_copy_kernel[(grid0,)](
         prep.dev_words,
         dev.table,
         prep.host_words,
@@ -383,7 +479,7 @@ def _launch(
         host_idx,
         n_rows,
         dev.num_layers,
-        0 if layer is None else layer,
+        layer_start,
         n_sel,
         host.page_size,
         *prep.args,
@@ -391,6 +487,28 @@ def _launch(
         num_tiles,
         **prep.meta,
     )
+    if (
+        FAST_LAUNCH
+        and dev.device.type == "cuda"
+        and hasattr(kernel, "run")
+        and hasattr(kernel, "packed_metadata")
+    ):
+        prep.compiled = kernel
+
+
+# NVTX range names of recent calls: formatting one costs more than the rest of a small call's
+# bookkeeping, and a layer-wise load repeats the same few names.
+_RANGE_NAMES: dict[tuple, str] = {}
+
+
+def _range_name(d2h: bool, path: str, layer: int | None, layout: str, nbytes: int) -> str:
+    key = (d2h, path, layer, layout, nbytes)
+    name = _RANGE_NAMES.get(key)
+    if name is None:
+        if len(_RANGE_NAMES) >= 4096:
+            _RANGE_NAMES.clear()
+        name = _RANGE_NAMES[key] = copy_range_name(d2h, path, layer, layout, nbytes)
+    return name
 
 
 def _transfer(
@@ -419,12 +537,15 @@ def _transfer(
     tpi = host.page_size if unit == "page" else 1
     nbytes = dev_idx.numel() * tpi * dev.num_buffers * n_sel * dev.item_bytes
     layout = host.layout.value if host.layout else "strided"
-    with nvtx_range(copy_range_name(d2h, path, layer, layout, nbytes)):
+    with nvtx_range(_range_name(d2h, path, layer, layout, nbytes)):
         if path == "torch":
             ref_copy_kv(dev, host, dev_idx, host_idx, d2h=d2h, layer=layer, index_unit=unit)
         elif path == "interpreter" or dev.device.type != "cuda":
             with _INTERPRETER_LOCK:
                 _launch(dev, host, dev_idx, host_idx, layer, unit, d2h, knobs or DEFAULT_KNOBS)
+        elif torch.cuda.current_device() == dev.device.index:
+            # Already on the pool's device: entering a device guard costs microseconds.
+            _launch(dev, host, dev_idx, host_idx, layer, unit, d2h, knobs or DEFAULT_KNOBS)
         else:
             with torch.cuda.device(dev.device):
                 _launch(dev, host, dev_idx, host_idx, layer, unit, d2h, knobs or DEFAULT_KNOBS)
