@@ -20,7 +20,14 @@ LAYERS = [
     ("kvtier.metrics", "kvtier.nvtx"),
 ]
 # runtime's parts get their collaborators from the builder: they never import it or the facade.
-PARTS = ("kvtier.runtime.pools", "kvtier.runtime.tree.tree", "kvtier.runtime.l3.tier")
+PARTS = (
+    "kvtier.runtime.pools",
+    "kvtier.runtime.tree",
+    "kvtier.runtime.l3",
+    "kvtier.runtime.request",
+    "kvtier.runtime.slots",
+    "kvtier.runtime.inserts",
+)
 FACADE = ("kvtier.runtime.cache", "kvtier.runtime.build")
 
 

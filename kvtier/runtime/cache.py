@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,13 +44,14 @@ from kvtier.events.config import EventsConfig
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.build import build_cache_parts
 from kvtier.runtime.config import CacheConfig, StorageConfig
+from kvtier.runtime.inserts import RequestInserts
 from kvtier.runtime.l3.attach import StorageChange, StorageSwitch
 from kvtier.runtime.l3.prefetch import Prefetch
 from kvtier.runtime.l3.tier import L3Tier
 from kvtier.runtime.metrics import CacheMetrics
+from kvtier.runtime.request import Request
+from kvtier.runtime.slots import RequestSlots
 from kvtier.runtime.tp import all_reduce_max, rank_and_size
-from kvtier.runtime.tree.node import TreeNode
-from kvtier.runtime.tree.requests import CacheRequest
 from kvtier.runtime.tree.retention import (
     RetentionBudget,
     RetentionClock,
@@ -64,35 +64,6 @@ from kvtier.storage import StorageBackend
 from kvtier.storage.keys import canonical_namespace
 
 __all__ = ["Request", "TieredKVCache"]
-
-
-@dataclass
-class Request(CacheRequest):
-    """A request as the cache sees it (see :class:`CacheRequest` for the slot bookkeeping).
-
-    Attributes:
-        device_hit: prompt tokens found on the device.
-        host_hit: prompt tokens loaded back from host.
-        computed_len: tokens whose KV/state the runner has written.
-        mamba_ckpt: a slot holding the state at ``mamba_ckpt_len`` tokens (page-aligned).
-        released: ``""`` while the request runs; ``"finished"`` or ``"aborted"`` once
-            ``cache_finished_req`` or ``abort`` took its slots back (any later use is refused).
-    """
-
-    device_hit: int = 0
-    host_hit: int = 0
-    computed_len: int = 0
-    mamba_ckpt: torch.Tensor | None = None
-    mamba_ckpt_len: int = 0
-    released: str = ""  # "finished" or "aborted" once the cache has taken everything back
-    _pending_cow: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, repr=False
-    )
-
-    @property
-    def cached_len(self) -> int:
-        """Prompt tokens served by the cache; the runner starts computing here."""
-        return self.device_hit + self.host_hit
 
 
 class TieredKVCache:
@@ -155,6 +126,17 @@ class TieredKVCache:
             agreed=tp_group is not None,
         )
         self.counters = self._metrics.counters
+        self._inserts = RequestInserts(config, parts.tree, parts.controller)
+        self._slots = RequestSlots(
+            config,
+            parts.tree,
+            self._inserts,
+            self.counters,
+            parts.swa_pool is not None,
+            parts.mamba_pool,
+            parts.layer_map,
+            parts.device,
+        )
         self.requests: dict[int, Request] = {}
         self.events = self._start_events(events, tp_group)
         if self.device.type == "cuda":
@@ -244,7 +226,7 @@ class TieredKVCache:
             self.counters.load_backs_skipped += 1
         if self.mamba_pool is not None:
             try:
-                self._give_mamba_state(req, node)
+                self._slots.give_mamba_state(req, node)
             except RuntimeError:
                 if req.pin is not None:  # the request never started: release its pin
                     tree.unpin(req.pin)
@@ -376,27 +358,6 @@ class TieredKVCache:
         ``FAILED`` with the error (counted); the cache keeps working."""
         return self._storage.clear()
 
-    def _give_mamba_state(self, req: Request, node: TreeNode) -> None:
-        """A state slot for the request: a copy of the anchor's state, or zeros from position 0."""
-        tree, pool = self.tree, self.mamba_pool
-        slot = tree.alloc_or_evict(tree.mamba, 1)
-        if slot is None:
-            raise RuntimeError("mamba: no free state slot for the request")
-        req.mamba_slot = slot
-        src = node.value[tree.mamba.slot] if node is not tree.root else None
-        if req.cached_len and src is None:
-            raise RuntimeError(f"mamba: matched {req.cached_len} tokens but {node} has no state")
-        d = slot.to(self.device)
-        if src is None:
-            for t in pool.tensors:
-                t[:, d] = 0
-            return
-        # Copied layer by layer in wait_layer: a loaded state arrives with its layer's event.
-        s = src.to(self.device)
-        for i, (kind, _) in enumerate(self.layer_map):
-            if kind == "mamba":
-                req._pending_cow[i] = (s, d)
-
     def start_loading(self) -> bool:
         """Start every queued load-back (once per batch, before the forward pass)."""
         return self.controller.start_loading()
@@ -415,15 +376,7 @@ class TieredKVCache:
         for req in requests:
             self._check_request(req)
         self.controller.wait_layer(self._wait_steps[layer])
-        kind, pool_layer = self.layer_map[layer]
-        if kind != "mamba":
-            return
-        for req in requests or self.requests.values():
-            cow = req._pending_cow.pop(layer, None)
-            if cow is not None:
-                src, dst = cow
-                for t in self.mamba_pool.tensors:
-                    t[pool_layer, dst] = t[pool_layer, src]
+        self._slots.copy_states(layer, requests or self.requests.values())
 
     # -- slots for new tokens ----------------------------------------------------------------
 
@@ -436,32 +389,7 @@ class TieredKVCache:
         """
         self._check_request(req)
         _check_count(total_tokens, "total_tokens")
-        P = self.config.page_size
-        need = -(-total_tokens // P) * P - req.kv_slots.numel()
-        if need > 0:
-            alloc = self.kv_alloc.alloc_full if self.swa_pool is not None else self.kv_alloc.alloc
-            slots = alloc(need)
-            if slots is None:
-                self._make_room(need)
-                slots = alloc(need)
-            if slots is None:
-                raise RuntimeError(f"device KV pool exhausted: {need} tokens needed")
-            req.kv_slots = torch.cat([req.kv_slots, slots])
-        return req.kv_slots
-
-    def _make_room(self, need: int) -> None:
-        """Evict just the shortfall for ``need`` new FULL slots; raise, evicting nothing, if even
-        every evictable token would not be enough."""
-        a = self.kv_alloc
-        free = a.full_available_size() if self.swa_pool is not None else a.available_size()
-        short = need - free
-        evictable = self.tree.evictable[0]
-        if short > evictable:
-            raise RuntimeError(
-                f"device KV pool exhausted: {need} tokens needed, {free} free, "
-                f"{evictable} evictable"
-            )
-        self._evict_for(short, 0)
+        return self._slots.reserve(req, total_tokens)
 
     def begin_step(self, req: Request, end: int) -> torch.Tensor | None:
         """The runner is about to write positions ``[req.computed_len, end)``: give them SWA
@@ -475,36 +403,12 @@ class TieredKVCache:
         hold the step.
         """
         self._check_request(req)
-        self._check_end(req, end, "end")
-        if self.swa_pool is None:
-            return None
-        P, a = self.config.page_size, self.kv_alloc
-        lo = max(req.cache_protected_len, req.computed_len // P * P)
-        hi = -(-end // P) * P
-        firsts = req.kv_slots[lo:hi:P]
-        missing = firsts[a.translate(firsts) < 0]
-        if missing.numel():
-            pages = a.full.pages_to_slots(missing // P)
-            if not a.alloc_swa_for(pages):
-                short = pages.numel() - a.swa_available_size()
-                evictable = self.tree.evictable[self.tree.swa.slot]
-                if short > evictable:
-                    raise RuntimeError(
-                        f"device SWA pool exhausted: {pages.numel()} SWA slots needed for "
-                        f"positions [{req.computed_len}, {end}), {a.swa_available_size()} free, "
-                        f"{evictable} evictable"
-                    )
-                self._evict_for(0, short)
-                if not a.alloc_swa_for(pages):
-                    raise RuntimeError(f"device SWA pool exhausted after evicting {short} tokens")
-        return self.swa_slots(req)
+        return self._slots.begin_step(req, end)
 
     def swa_slots(self, req: Request) -> torch.Tensor | None:
         """SWA pool slots of the request's positions (-1 where none), or None without SWA."""
         self._check_request(req)
-        if self.swa_pool is None:
-            return None
-        return self.kv_alloc.translate(req.kv_slots)
+        return self._slots.swa_slots(req)
 
     def computed(self, req: Request, n_tokens: int) -> None:
         """The runner has written KV/state for the first ``n_tokens`` positions of the request.
@@ -515,58 +419,7 @@ class TieredKVCache:
         that it can be cached.
         """
         self._check_request(req)
-        self._check_end(req, n_tokens, "n_tokens")
-        if self.swa_pool is not None and n_tokens > req.computed_len:
-            swa = self.kv_alloc.translate(req.kv_slots[req.computed_len : n_tokens])
-            if int(swa.min()) < 0:
-                first = req.computed_len + int((swa < 0).nonzero()[0])
-                raise ValueError(
-                    f"n_tokens: position {first} of [{req.computed_len}, {n_tokens}) has no SWA "
-                    f"slot; call begin_step(req, {n_tokens}) before writing the positions"
-                )
-        req.computed_len = n_tokens
-        if self.swa_pool is not None:
-            self._slide_window(req, n_tokens)
-        if self.mamba_pool is None or n_tokens % self.config.page_size:
-            return
-        if req.mamba_ckpt is None:
-            req.mamba_ckpt = self.tree.alloc_or_evict(self.tree.mamba, 1)
-            if req.mamba_ckpt is None:
-                return  # no slot: this request's state will not be cached
-        self.mamba_pool.copy_slots(req.mamba_slot, req.mamba_ckpt)
-        req.mamba_ckpt_len = n_tokens
-
-    def _slide_window(self, req: Request, n: int) -> None:
-        """``n`` positions are computed: SWA data no later position of the request reads leaves
-        it. Prompt pages go to the tree first (``cache_unfinished_req``), which keeps their SWA
-        data as evictable cache, so a later prompt sharing a prefix that ends inside this one
-        still finds its window; the request's own slots of positions it generated are freed.
-        Once no later position reads SWA data the tree owns, the request's window pin on it
-        is released too."""
-        P = self.config.page_size
-        tail = -(-self.config.swa_window // P) * P
-        slid = n // P * P - tail  # positions below it leave the request's window
-        if slid > max(req.swa_evicted_seqlen, req.cache_protected_len):
-            if n <= len(req.token_ids):
-                self.cache_unfinished_req(req)
-            self.tree.free_out_of_window(req, n)
-        lock = req.pin
-        if (
-            lock is not None
-            and lock.swa_boundary is not None
-            and (n - self.config.swa_window >= req.cache_protected_len)
-        ):
-            req.pin = self.tree.unpin_swa(lock)
-
-    def _check_end(self, req: Request, end: int, arg: str) -> None:
-        if type(end) is not int:
-            raise TypeError(f"{arg}: expected an int position, got {end!r}")
-        reserved = req.kv_slots.numel()
-        if not req.computed_len <= end <= reserved:
-            raise ValueError(
-                f"{arg}: {end} is outside [computed_len={req.computed_len}, reserved={reserved}]"
-                f"; positions only advance, and only over slots taken by reserve()"
-            )
+        self._slots.computed(req, n_tokens)
 
     def _check_request(self, req: Request) -> None:
         """Refuse a request that is not one of this cache's running requests."""
@@ -582,30 +435,6 @@ class TieredKVCache:
 
     # -- caching requests ------------------------------------------------------------------
 
-    def _prepare_insert(self, req: Request) -> torch.Tensor | None:
-        """Trim the request to what is cacheable; returns its live Mamba slot to free."""
-        req.token_ids = req.token_ids[: req.computed_len]
-        live = None
-        if self.mamba_pool is not None:
-            aligned = req.computed_len // self.config.page_size * self.config.page_size
-            live = req.mamba_slot
-            if req.mamba_ckpt is not None and req.mamba_ckpt_len == aligned and aligned > 0:
-                req.mamba_slot = req.mamba_ckpt  # the state at the last page boundary
-                req.token_ids = req.token_ids[:aligned]
-            else:
-                if req.mamba_ckpt is not None:
-                    self.tree.mamba.device_alloc.free(req.mamba_ckpt)
-                req.mamba_slot = None
-            req.mamba_ckpt = None
-        return live
-
-    def _check_tokens_cover(self, req: Request) -> None:
-        if len(req.token_ids) < req.computed_len:
-            raise ValueError(
-                f"req.token_ids: {len(req.token_ids)} token ids for {req.computed_len} computed "
-                "positions; set req.token_ids to the prompt and the tokens fed back since"
-            )
-
     def cache_finished_req(self, req: Request) -> None:
         """Hand the request's cacheable prefix to the tree and release everything it holds.
 
@@ -613,15 +442,10 @@ class TieredKVCache:
         and every generated token fed back); the tree keeps their whole pages.
         """
         self._check_request(req)
-        self._check_tokens_cover(req)
-        with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
-            live = self._prepare_insert(req)
-            self.tree.cache_finished_req(req)
-            if live is not None:
-                self.tree.mamba.device_alloc.free(live)
+        self._inserts.finish(req)
         self.requests.pop(id(req), None)
         req.released = "finished"
-        self._after_insert(req)
+        self._inserts.back_up(req)
 
     def abort(self, req: Request) -> None:
         """Release everything a request holds without caching it (an aborted or failed request):
@@ -638,27 +462,7 @@ class TieredKVCache:
     def cache_unfinished_req(self, req: Request) -> None:
         """Checkpoint a running request's full pages into the tree (chunked prefill, decode)."""
         self._check_request(req)
-        self._check_tokens_cover(req)
-        with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
-            tokens = req.token_ids
-            req.token_ids = tokens[: req.computed_len]
-            self.tree.cache_unfinished_req(req)
-            req.token_ids = tokens
-        self._after_insert(req)
-
-    def _after_insert(self, req: Request) -> None:
-        """Write-through backs the inserted path up now; write-through-selective backs up the
-        deepest node that an insert has now reached twice (its ancestors come with it)."""
-        res = req.last_insert
-        policy = self.config.write_policy
-        if res is None or policy == "write_back":
-            return
-        node = res.last_node
-        if policy == "write_through_selective":
-            while node is not self.tree.root and node.hit_count < 2:
-                node = node.parent
-        if node is not self.tree.root and self.tree.backup_chain(node):
-            self.controller.backup(node)
+        self._inserts.checkpoint(req)
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -685,11 +489,6 @@ class TieredKVCache:
         self.counters.evicted_tokens += freed
         return freed
 
-    def _evict_for(self, full: int, swa: int) -> None:
-        with nvtx_range(f"kvtier.evict {full} tokens"):
-            res = self.tree.evict(full=full, swa=swa)
-        self.counters.evicted_tokens += res.full
-
     def drain(self) -> None:
         """Wait for and acknowledge every copy in flight, and every L3 backup and prefetch.
 
@@ -712,14 +511,9 @@ class TieredKVCache:
         self._storage.close()
 
     def request_owned(self) -> dict[str, int]:
-        owned = {"kv": 0, "swa": 0, "mamba": 0}
-        for req in self.requests.values():
-            own = req.kv_slots[req.cache_protected_len :]
-            owned["kv"] += own.numel()
-            if self.swa_pool is not None:
-                owned["swa"] += int((self.kv_alloc.translate(own) >= 0).sum())
-            owned["mamba"] += (req.mamba_slot is not None) + (req.mamba_ckpt is not None)
-        return owned
+        """Device slots per pool (``kv``, ``swa``, ``mamba``) running requests hold outside the
+        tree."""
+        return self._slots.owned(self.requests.values())
 
     def check_integrity(self) -> None:
         """Recount the tree and every pool against the slots running requests hold (and the

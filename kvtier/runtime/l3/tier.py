@@ -9,7 +9,8 @@ back in ``votes``) to the controller's single all-reduce (MIN); each decision is
 the agreed values on every rank, in the same order.
 
 Load or recompute: a hit whose load at the measured storage bandwidth would take longer than
-recomputing it at ``prefill_tokens_per_s`` is declined (each decision is counted).
+recomputing it at ``prefill_tokens_per_s`` is declined (each decision is counted); that decision
+and the graft of an agreed read live in ``graft``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 from kvtier.metrics import TierMetrics
 from kvtier.runtime.l3.backup import BackupJob, BackupWriter
+from kvtier.runtime.l3.graft import alloc_host, free_slots, graft_agreed, load_beats_recompute
 from kvtier.runtime.l3.pools import L3Pool, namespace_for
 from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, RevokeReason
 from kvtier.runtime.l3.votes import (
@@ -326,7 +328,10 @@ class L3Tier:
                 hits = op.query_hits
             else:
                 hits = 0 if op.expired() else -1  # a hung query ends at the timeout
-            query_votes.append(QueryVote(hits, bool(self._worth(hits))))
+            worth = load_beats_recompute(
+                hits, self.st, self.metrics, self.pools, self.cfg.page_size
+            )
+            query_votes.append(QueryVote(hits, worth))
         load_votes = []
         for op in loads:
             with op.mutex:
@@ -376,24 +381,6 @@ class L3Tier:
 
     # -- prefetch: decisions ---------------------------------------------------------------------
 
-    def _worth(self, hits: int) -> int:
-        """1 if loading ``hits`` pages from L3 is expected to beat recomputing them."""
-        rate = self.st.prefill_tokens_per_s
-        if rate is None or hits <= 0:
-            return 1
-        snap = self.metrics.snapshot()
-        gbps = snap["gbps.storage.read"] or self.st.assumed_storage_gbps
-        if not gbps:
-            return 1  # nothing measured yet: try it, and measure
-        nbytes = hits * sum(p.page_bytes for n, p in self.pools.items() if n != "mamba")
-        if "mamba" in self.pools:
-            nbytes += self.pools["mamba"].page_bytes
-        load_s = nbytes / (gbps * 1e9)
-        h2d = snap["gbps.host.read"]
-        if h2d:
-            load_s += nbytes / (h2d * 1e9)
-        return int(load_s <= hits * self.cfg.page_size / rate)
-
     def _can_terminate(self, op: Prefetch) -> bool:
         policy = self.st.prefetch_policy
         if policy == "best_effort" or op.io_done.is_set():
@@ -435,9 +422,9 @@ class L3Tier:
         op.planned_pages = hits
         if tree.swa is not None:
             op.swa_pages = min(self.W, hits)
-            op.swa_slots = _alloc_host(tree, tree.swa, op.swa_pages * P)
+            op.swa_slots = alloc_host(tree, tree.swa, op.swa_pages * P)
         if tree.mamba is not None:
-            op.mamba_slot = _alloc_host(tree, tree.mamba, 1)
+            op.mamba_slot = alloc_host(tree, tree.mamba, 1)
         if (tree.swa is not None and op.swa_slots is None) or (
             tree.mamba is not None and op.mamba_slot is None
         ):
@@ -492,57 +479,9 @@ class L3Tier:
         """Agreed termination: graft the agreed pages; the rest is released once IO stops."""
         op.cancel.set()
         self._loading.remove(op)
-        tree, P = self.tree, self.cfg.page_size
-        end, present = None, 0
-        if pages:
-            n = pages * P
-            end, present = tree.graft_host(
-                op.anchor, op.tokens[:n], {"kv": op.kv_slots[:n]}, op.hashes[:pages], op.namespace
-            )
-            if end is not None:
-                op.loaded_range = (op.anchor.end + present, op.anchor.end + n)
-        # The agreed pages are read: free what the tree did not take now, the rest once IO stops.
-        _free(tree.full.host_alloc, op.kv_slots[: present if end is not None else pages * P])
-        taken = pages * P - present if end is not None else 0
-        leftovers = {"kv": op.kv_slots[pages * P :]}
-        whole = end is not None and pages == op.planned_pages
-        swa_ok = whole and swa == op.swa_pages and op.swa_pages > 0
-        if op.swa_slots is not None:
-            used = (
-                tree.graft_swa_window(op.anchor, end, op.swa_slots, op.swa_pages)
-                if swa_ok
-                else torch.zeros(0, dtype=torch.bool)
-            )
-            if used.numel():
-                _free(tree.swa.host_alloc, op.swa_slots[~used])
-            else:
-                leftovers["swa"] = op.swa_slots
-        if op.mamba_slot is not None:
-            ms = tree.mamba.slot
-            if (
-                whole
-                and mamba >= 1
-                and end.host_value[ms] is None
-                and end.host_value[0] is not None
-            ):
-                tree.set_host(end, ms, op.mamba_slot.clone())
-            else:
-                leftovers["mamba"] = op.mamba_slot
-        op.leftovers = leftovers
+        outcome = graft_agreed(self.tree, self.cfg.page_size, op, pages, swa, mamba)
         self._draining.append(op)
-        op.loaded_tokens = taken
         self.metrics.add_hit_tokens(Tier.STORAGE, op.loaded_tokens)
-        extras_ok = (op.swa_slots is None or swa_ok) and (
-            op.mamba_slot is None or "mamba" not in leftovers
-        )
-        if op.checksum_misses:
-            outcome = PrefetchOutcome.CHECKSUM_MISS
-        elif pages == op.planned_pages and extras_ok:
-            outcome = PrefetchOutcome.COMPLETE
-        elif not op.io_done.is_set() and op.expired():
-            outcome = PrefetchOutcome.TIMED_OUT
-        else:
-            outcome = PrefetchOutcome.PARTIAL
         self._end(op, outcome)
 
     # -- releasing held slots ---------------------------------------------------------------------
@@ -562,7 +501,7 @@ class L3Tier:
         """Free a finished prefetch's unused host slots (its IO thread is done)."""
         allocs = {c.name: c.host_alloc for c in self.tree.components}
         for name, slots in op.leftovers.items():
-            _free(allocs[name], slots)
+            free_slots(allocs[name], slots)
         op.leftovers = {}
 
     # -- books ------------------------------------------------------------------------------------
@@ -606,15 +545,3 @@ def _ready(q: deque, is_ready) -> int:
             break
         n += 1
     return n
-
-
-def _alloc_host(tree, comp, n: int) -> torch.Tensor | None:
-    alloc = comp.host_alloc
-    if alloc.available_size() < n:
-        tree.evict_host(**{comp.kind: n - alloc.available_size()})
-    return alloc.alloc(n) if alloc.available_size() >= n else None
-
-
-def _free(alloc, slots: torch.Tensor) -> None:
-    if slots.numel():
-        alloc.free(slots)

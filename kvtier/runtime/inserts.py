@@ -1,0 +1,104 @@
+"""Caching requests: hand a request's computed pages to the tree, then apply the write policy.
+
+A finished request gives the tree its whole computed pages and, for a hybrid model with Mamba
+layers, the state of its last page boundary (the checkpoint ``slots.RequestSlots.computed``
+took); a running one checkpoints its whole pages so far (chunked prefill, decode, and the SWA
+window's slide). Each insert then backs the inserted path up to host as
+``CacheConfig.write_policy`` asks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.nvtx import nvtx_range
+from kvtier.runtime.request import Request
+
+if TYPE_CHECKING:
+    from kvtier.runtime.config import CacheConfig
+    from kvtier.runtime.controller import CacheController
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
+
+__all__ = ["RequestInserts", "check_tokens_cover"]
+
+
+class RequestInserts:
+    """Inserts running and finished requests into the tree and backs them up to host.
+
+    Args:
+        config: the cache's config (``page_size``, ``write_policy``).
+        tree: the cache's tree.
+        controller: issues the device→host backups of inserted paths.
+
+    The caller has checked that the request is one of its running requests.
+    """
+
+    def __init__(
+        self, config: CacheConfig, tree: UnifiedRadixTree, controller: CacheController
+    ) -> None:
+        self.config = config
+        self.tree = tree
+        self.controller = controller
+
+    def finish(self, req: Request) -> None:
+        """Insert a finished request's cacheable prefix and free its live Mamba slot; the
+        caller then marks it released and calls :meth:`back_up`."""
+        check_tokens_cover(req)
+        with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
+            live = self._trim(req)
+            self.tree.cache_finished_req(req)
+            if live is not None:
+                self.tree.mamba.device_alloc.free(live)
+
+    def checkpoint(self, req: Request) -> None:
+        """Insert a running request's whole computed pages; it keeps running on them."""
+        check_tokens_cover(req)
+        with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
+            tokens = req.token_ids
+            req.token_ids = tokens[: req.computed_len]
+            self.tree.cache_unfinished_req(req)
+            req.token_ids = tokens
+        self.back_up(req)
+
+    def back_up(self, req: Request) -> None:
+        """Write-through backs the inserted path up now; write-through-selective backs up the
+        deepest node that an insert has now reached twice (its ancestors come with it)."""
+        res = req.last_insert
+        policy = self.config.write_policy
+        if res is None or policy == "write_back":
+            return
+        node = res.last_node
+        if policy == "write_through_selective":
+            while node is not self.tree.root and node.hit_count < 2:
+                node = node.parent
+        if node is not self.tree.root and self.tree.backup_chain(node):
+            self.controller.backup(node)
+
+    def _trim(self, req: Request) -> torch.Tensor | None:
+        """Trim the request to what is cacheable; returns its live Mamba slot to free."""
+        req.token_ids = req.token_ids[: req.computed_len]
+        live = None
+        if self.tree.mamba is not None:
+            P = self.config.page_size
+            aligned = req.computed_len // P * P
+            live = req.mamba_slot
+            if req.mamba_ckpt is not None and req.mamba_ckpt_len == aligned and aligned > 0:
+                req.mamba_slot = req.mamba_ckpt  # the state at the last page boundary
+                req.token_ids = req.token_ids[:aligned]
+            else:
+                if req.mamba_ckpt is not None:
+                    self.tree.mamba.device_alloc.free(req.mamba_ckpt)
+                req.mamba_slot = None
+            req.mamba_ckpt = None
+        return live
+
+
+def check_tokens_cover(req: Request) -> None:
+    """Refuse a request whose ``token_ids`` do not name every computed position."""
+    if len(req.token_ids) < req.computed_len:
+        raise ValueError(
+            f"req.token_ids: {len(req.token_ids)} token ids for {req.computed_len} computed "
+            "positions; set req.token_ids to the prompt and the tokens fed back since"
+        )

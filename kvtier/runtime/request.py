@@ -1,0 +1,44 @@
+"""``Request``: one running request as ``TieredKVCache`` and its parts see it.
+
+It lives apart from the facade so that the parts that move a request on (``slots``, ``inserts``)
+can name it without importing the facade.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.runtime.tree.requests import CacheRequest
+
+__all__ = ["Request"]
+
+
+@dataclass
+class Request(CacheRequest):
+    """A request as the cache sees it (see :class:`CacheRequest` for the slot bookkeeping).
+
+    Attributes:
+        device_hit: prompt tokens found on the device.
+        host_hit: prompt tokens loaded back from host.
+        computed_len: tokens whose KV/state the runner has written.
+        mamba_ckpt: a slot holding the state at ``mamba_ckpt_len`` tokens (page-aligned).
+        released: ``""`` while the request runs; ``"finished"`` or ``"aborted"`` once
+            ``cache_finished_req`` or ``abort`` took its slots back (any later use is refused).
+    """
+
+    device_hit: int = 0
+    host_hit: int = 0
+    computed_len: int = 0
+    mamba_ckpt: torch.Tensor | None = None
+    mamba_ckpt_len: int = 0
+    released: str = ""  # "finished" or "aborted" once the cache has taken everything back
+    _pending_cow: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
+
+    @property
+    def cached_len(self) -> int:
+        """Prompt tokens served by the cache; the runner starts computing here."""
+        return self.device_hit + self.host_hit
