@@ -5,16 +5,23 @@ device pool), one publishing events and one not, are filled with the same reques
 and ~100,000 cached device pages (as many again on host); then each runs the same steady-state
 steps, interleaved: a new 128-token request (8 pages: match, reserve, computed, insert, backed
 up at once), the eviction that makes room for it (device pages demoted, host pages dropped), and
-``poll()`` (which acknowledges the backup and, with events, publishes the step's batch). Reported:
+``poll()`` (which acknowledges the backup and, with events, queues the step's batch for the
+publisher thread). Between steps, untimed, the publisher thread is let run until it has sent the
+batch (``drain``): in an engine it runs while the GPU computes the next step; with
+``--no-drain`` it competes with the steps for the GIL instead (its 5 ms wake-ups included).
+Reported:
 
 - the step's median time with and without events, and ``poll()``'s median without events;
-- the events' own time per step, measured inside the sink (every hook and the flush, timed
-  directly: an A/B difference of whole steps is too noisy for microseconds);
+- the events' own time per step on the scheduler thread, measured inside the sink (every hook
+  and the flush, timed directly: an A/B difference of whole steps is too noisy for
+  microseconds), of which page hashing done there;
+- the publisher thread's CPU time per step (resolve against the mirror, hash what the hooks
+  deferred, build, encode, send): off the scheduler thread, but CPU all the same;
 - an idle step: ``poll()`` with nothing to report, with and without events.
 
-Throughput: the publisher's flush (resolve the hooks' records against the mirror, encode, send)
-over batches of 64 BlockStored events of 4 pages each, and a subscribing ``Indexer`` in the same
-process (receive, decode, apply), in events and pages per second.
+Throughput: the publisher thread (resolve the hooks' records against the mirror, build, encode,
+send) over batches of 64 BlockStored events of 4 pages each, and a subscribing ``Indexer`` in the
+same process (receive, decode, apply), in events and pages per second.
 
     python3 -m profiling.bench_events --out profiling/results
 """
@@ -104,6 +111,17 @@ class HookClock:
                 self.hashing += time.perf_counter() - t0
 
         sink._hashes = timed_hashes
+        self.thread = 0.0  # the publisher thread's CPU time (build, encode, send)
+        send = sink._send_batch
+
+        def timed_send(*a):
+            t0 = time.thread_time()
+            try:
+                return send(*a)
+            finally:
+                self.thread += time.thread_time() - t0
+
+        sink._send_batch = timed_send
 
     def _timed(self, fn):
         def timed(*a, **kw):
@@ -116,7 +134,7 @@ class HookClock:
         return timed
 
 
-def step_rows(pages: int, steps: int, seed: int) -> dict:
+def step_rows(pages: int, steps: int, seed: int, drain: bool = True) -> dict:
     rnd = random.Random(seed)
     plain, evented = make_cache(pages, False), make_cache(pages, True)
     fill = pages * P // 1024
@@ -127,10 +145,12 @@ def step_rows(pages: int, steps: int, seed: int) -> dict:
             c.poll()
     gc.collect()
     gc.freeze()  # the fill's objects stay out of the timed steps' collections
+    evented.events.drain()  # the fill's batches are not the timed steps' work
     clock = HookClock(evented.events)
     t: dict[str, list[float]] = defaultdict(list)
     ev_us: list[float] = []
     hash_us: list[float] = []
+    thread_us: list[float] = []
     for i in range(steps):
         tokens = [rnd.randrange(32000) for _ in range(REQ_TOKENS)]
         order = (plain, evented) if i % 2 else (evented, plain)
@@ -147,6 +167,12 @@ def step_rows(pages: int, steps: int, seed: int) -> dict:
             if c is evented:
                 ev_us.append((clock.total - before) * 1e6)
                 hash_us.append((clock.hashing - hashed) * 1e6)
+                # Untimed: the publisher thread sends the batch between steps, as it would
+                # while the GPU runs the model (its CPU time is reported on its own).
+                on_thread = clock.thread
+                if drain:
+                    c.events.drain()
+                    thread_us.append((clock.thread - on_thread) * 1e6)
     idle: dict[str, list[float]] = defaultdict(list)
     for _ in range(2000):
         for name, c in (("plain", plain), ("events", evented)):
@@ -154,6 +180,9 @@ def step_rows(pages: int, steps: int, seed: int) -> dict:
             c.poll()
             idle[name].append(time.perf_counter() - t0)
     sink = evented.events
+    if not drain:  # the thread's CPU over every step (it sends several steps per wake-up)
+        sink.drain()
+        thread_total = clock.thread
     row = {
         "pages_device": len(sink.held("GPU")),
         "pages_host": len(sink.held("CPU")),
@@ -170,9 +199,13 @@ def step_rows(pages: int, steps: int, seed: int) -> dict:
         # The quietest block of 25 steps (mean): less sensitive to other load on the machine.
         "events_us_best_block": _best_block(ev_us),
         "hashing_us_per_step": statistics.median(hash_us),
+        "thread_us_per_step": statistics.median(thread_us) if thread_us else float("nan"),
+        "drained": drain,
         "poll_us_plain_best_block": _best_block([1e6 * x for x in t["poll.plain"]]),
         "step_us_plain_best_block": _best_block([1e6 * x for x in t["step.plain"]]),
     }
+    if not drain:
+        row["thread_us_per_step"] = 1e6 * thread_total / steps
     gc.unfreeze()
     for c in (plain, evented):
         c.close()
@@ -221,6 +254,9 @@ def throughput(batches: int, seed: int) -> dict:
     for batch in ops:
         sink._ops.extend(batch)
         sink.flush()
+    flush_s = time.perf_counter() - t0
+    if not sink.drain(60):  # the publisher thread has built, encoded and sent every batch
+        raise RuntimeError("publisher thread stuck")
     pub_s = time.perf_counter() - t0
     events = batches * per_batch
     t0 = time.perf_counter()
@@ -235,6 +271,7 @@ def throughput(batches: int, seed: int) -> dict:
         "events_per_batch": per_batch,
         "pages_per_event": pages_per_event,
         "publisher_events_per_s": events / pub_s,
+        "flush_events_per_s": events / flush_s,
         "publisher_pages_per_s": events * pages_per_event / pub_s,
         # The indexer was not polled while the publisher ran: it drains what was queued.
         "indexer_events_per_s": events / sub_s,
@@ -254,24 +291,32 @@ def report(info: dict, rows: list[dict], tp: dict) -> str:
         "",
         "Steady-state step: a new 128-token request (8 pages) inserted and backed up, the "
         "eviction making room for it, then `poll()`; two caches alike, with and without events, "
-        "steps interleaved. Events' own time = every sink hook + the flush, timed inside the sink.",
+        "steps interleaved. Events' own time = every sink hook + the flush on the scheduler "
+        "thread, timed inside the sink. Publisher thread = its CPU time per step (resolve, "
+        "deferred hashing, build, encode, send), off the scheduler thread. Between steps: "
+        "`drained` = the publisher thread ran between steps (untimed; in an engine, while the "
+        "GPU computes), `concurrent` = it competed with the steps for the GIL.",
         "",
-        "| cached pages (device / host) | events per step | step µs without / with events "
+        "| cached pages (device / host) | between steps | events per step "
+        "| step µs without / with events "
         "| poll() µs without / with | events' own µs per step: median, p90, quietest 25 steps | "
         "of which page hashing (median) "
-        "| events' own / poll() without (quietest blocks) | idle poll() µs without / with |",
-        "|---|---|---|---|---|---|---|---|",
+        "| events' own / poll() without (quietest blocks) | publisher thread CPU µs per step "
+        "| idle poll() µs without / with |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         frac = r["events_us_best_block"] / r["poll_us_plain_best_block"]
+        mode = "drained" if r["drained"] else "concurrent"
         lines.append(
-            f"| {r['pages_device']:,} / {r['pages_host']:,} | {r['events_per_step']:.1f} "
+            f"| {r['pages_device']:,} / {r['pages_host']:,} | {mode} "
+            f"| {r['events_per_step']:.1f} "
             f"| {r['step_us_plain']:.0f} / {r['step_us_events']:.0f} "
             f"| {r['poll_us_plain']:.1f} / {r['poll_us_events']:.1f} "
             f"| {r['events_us_per_step']:.1f}, {r['events_us_per_step_p90']:.1f}, "
             f"{r['events_us_best_block']:.1f} | {r['hashing_us_per_step']:.1f} "
             f"| {r['events_us_best_block']:.1f} / {r['poll_us_plain_best_block']:.1f} "
-            f"= {100 * frac:.0f}% "
+            f"= {100 * frac:.0f}% | {r['thread_us_per_step']:.1f} "
             f"| {r['idle_poll_us_plain']:.1f} / {r['idle_poll_us_events']:.1f} |"
         )
     lines += [
@@ -281,7 +326,8 @@ def report(info: dict, rows: list[dict], tp: dict) -> str:
         "",
         "| side | events/s | pages/s |",
         "|---|---|---|",
-        f"| publisher (resolve + encode + send) | {tp['publisher_events_per_s']:,.0f} "
+        f"| publisher thread (resolve + build + encode + send) "
+        f"| {tp['publisher_events_per_s']:,.0f} "
         f"| {tp['publisher_pages_per_s']:,.0f} |",
         f"| indexer (receive + decode + apply) | {tp['indexer_events_per_s']:,.0f} "
         f"| {tp['indexer_pages_per_s']:,.0f} |",
@@ -301,9 +347,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rows = []
-    for pages in (int(x) for x in args.sizes.split(",")):
+    sizes = [int(x) for x in args.sizes.split(",")]
+    for pages in sizes:
         rows.append(step_rows(pages, args.steps, args.seed))
         print(json.dumps(rows[-1]), flush=True)
+    # The same steps with the publisher thread competing for the GIL (smallest size: the cost
+    # does not depend on it).
+    rows.append(step_rows(min(sizes), args.steps, args.seed, drain=False))
+    print(json.dumps(rows[-1]), flush=True)
     tp = throughput(args.batches, args.seed)
     print(json.dumps(tp), flush=True)
     info = environment()

@@ -57,6 +57,10 @@ class EventsConfig:
         prefill_tokens_per_s: the model's prefill rate, reported to routers so that they can
             weigh loading a prefix against recomputing it; None: the storage config's, if any.
         hwm: the PUB socket's high-water mark (messages queued per subscriber before dropping).
+        queue_batches: batches waiting for the publisher thread (which encodes and sends them
+            off the scheduler thread) before the next ones are dropped and counted
+            (``dropped_batches``): the scheduler never waits; a subscriber sees the gap and
+            recovers from a snapshot.
     """
 
     endpoint: str = "tcp://127.0.0.1:5557"
@@ -67,6 +71,7 @@ class EventsConfig:
     snapshot_peers: tuple[str, ...] | None = None
     prefill_tokens_per_s: float | None = None
     hwm: int = 100_000
+    queue_batches: int = 1024
 
     def __post_init__(self) -> None:
         check_endpoint(self.endpoint, "endpoint")
@@ -85,6 +90,11 @@ class EventsConfig:
             raise TypeError(f"hwm: expected an int, got {self.hwm!r}")
         if self.hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {self.hwm}")
+        q = self.queue_batches
+        if isinstance(q, bool) or not isinstance(q, int):
+            raise TypeError(f"queue_batches: expected an int, got {q!r}")
+        if q < 1:
+            raise ValueError(f"queue_batches must be >= 1, got {q}")
 
 
 def _positive(obj: object, name: str) -> None:

@@ -8,11 +8,17 @@ instance and its L3 store do, also on instances without L3 (tests/events check b
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections.abc import Hashable, Sequence
 
 from kvtier.storage.keys import Namespace, canonical_namespace, page_hashes
 
-__all__ = ["KeySeed", "key_namespace", "prompt_hashes"]
+__all__ = ["KeySeed", "chain_hashes", "key_namespace", "prompt_hashes"]
+
+# array('q') is the platform's int64: little-endian here, as the page-hash format wants.
+_NATIVE_LE = sys.byteorder == "little" and array("q").itemsize == 8
 
 
 class KeySeed:
@@ -80,3 +86,23 @@ def key_namespace(seed: KeySeed, request_namespace: Hashable) -> Namespace:
 def prompt_hashes(seed: KeySeed, tokens: Sequence[int], request_namespace: Hashable) -> list[str]:
     """Hex page hashes of the whole pages of ``tokens``."""
     return page_hashes(tokens, seed.namespace(request_namespace))
+
+
+def chain_hashes(tokens: list[int], namespace: Namespace, prev_hex: str) -> list[str]:
+    """``page_hashes(tokens, namespace, prev_hex)`` for a list of token ids, without numpy: the
+    sink hashes a few pages per step on the scheduler thread, where numpy's conversion of a short
+    list costs more than the hashing itself (tests/events check both agree)."""
+    if not _NATIVE_LE:
+        return page_hashes(tokens, namespace, prev_hex)
+    try:
+        raw = array("q", tokens).tobytes()
+    except (OverflowError, TypeError):
+        return page_hashes(tokens, namespace, prev_hex)  # raises as the L3 keys do
+    step = namespace.page_size * 8
+    prev = bytes.fromhex(prev_hex)
+    sha = hashlib.sha256
+    out = []
+    for start in range(0, len(raw) - step + 1, step):
+        prev = sha(prev + raw[start : start + step]).digest()
+        out.append(prev.hex())
+    return out

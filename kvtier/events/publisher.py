@@ -1,7 +1,7 @@
 """The ZeroMQ sockets of a publishing instance: PUB for batches, ROUTER for snapshot requests.
 
 Both are bound at construction (an endpoint in use raises ``ValueError`` naming it, and nothing
-stays bound) and used from the thread that calls ``TieredKVCache.poll``: sends never block (PUB
+stays bound) and used from the sink's publisher thread only: sends never block (PUB
 drops at its high-water mark, as ZeroMQ does for slow subscribers; they then see a gap and ask
 for a snapshot).
 """

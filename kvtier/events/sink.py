@@ -13,10 +13,19 @@ writer's ``events`` are None when events are off, and each hook is guarded by th
     host_removed         tree.clear_host (FULL)               host slots freed
     storage_stored       the L3 writer thread                 the store acknowledged the write
 
-Hooks only record the pages (hashes computed then, while the node is what the fact is about);
-``flush`` (from ``poll``) turns them into events against a mirror of what each medium holds as
-published (a page stored twice, or removed where it was not, publishes nothing), publishes one
-``KVEventBatch`` with the next sequence number, and answers snapshot requests with the mirror.
+Hooks only record the pages: their hashes where the tree or the L3 tier already has them
+(``node.page_hashes``), else a ``_Lazy`` that the publisher thread computes (the next flushes
+store it in the node, for the tree, L3 and later hooks). ``flush`` (from ``poll``) only gives
+the step's records the next sequence number and appends them to the publisher thread's queue.
+The thread (woken every ``PUBLISH_INTERVAL_S``) resolves them against a mirror of what each
+medium holds as published (a page stored twice, or removed where it was not, publishes nothing),
+builds the wire structs, encodes and sends; the step's cost is collecting facts.
+
+The queue is bounded (``EventsConfig.queue_batches``). When it is full the batch is dropped and
+counted (``dropped_batches``): its number is spent, its facts still reach the mirror (ahead of
+the next batch queued), and a subscriber sees the gap and recovers from a snapshot. The
+scheduler never waits. The thread owns both sockets and the mirror, and answers a snapshot
+request between two batches: the reply holds the mirror after batch N, labelled N.
 
 Events report FULL (KV) pages only: a hybrid model's SWA window and Mamba state are not
 reported, so a router's hit length is an upper bound there. Storage reports what this instance
@@ -29,15 +38,17 @@ import itertools
 import logging
 import os
 import socket
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 
+import msgspec
 import zmq
 
 from kvtier.events import wire
 from kvtier.events.config import MEDIA, MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_STORAGE, EventsConfig
-from kvtier.events.keys import KeySeed
+from kvtier.events.keys import KeySeed, chain_hashes
 from kvtier.events.publisher import Publisher
 from kvtier.storage.keys import canonical_namespace, page_hashes
 
@@ -46,7 +57,16 @@ __all__ = ["EventSink"]
 log = logging.getLogger(__name__)
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
-REQUEST_CHECK_S = 0.005  # how often flush() looks for snapshot requests
+# How often the publisher thread wakes to send what is queued and to look for snapshot
+# requests: a batch leaves at most this long after its step. Waking it on every step instead
+# costs the scheduler a system call and a GIL hand-over per step, more than the rest of it.
+PUBLISH_INTERVAL_S = 0.005
+JOIN_S = 5.0  # how long close() waits for the publisher thread
+MAX_LAZY = 4096  # nodes whose hashes wait for the publisher thread (beyond: hashed at once)
+# Computed hashes go into their nodes once this many are owed, not every step: until then a
+# hook finds them through ``_lazy`` (and the L3 tier, which needs them at once, hashes itself).
+WRITE_BACK_AT = 64
+_BATCH, _MARK, _STOP = range(3)
 _STORED_PAGES = {m: f"stored_pages.{m}" for m in MEDIA}
 _REMOVED_PAGES = {m: f"removed_pages.{m}" for m in MEDIA}
 
@@ -57,6 +77,29 @@ _REMOVED_PAGES = {m: f"removed_pages.{m}" for m in MEDIA}
 # operations, not Python work per page; the page's place in the chunk is looked up only where
 # its parent or tokens are needed (storage events, snapshots). Node keys and hash lists are
 # replaced on a split, never changed in place, so a chunk stays valid.
+
+
+class _Lazy:
+    """The page hashes of one node's key, computed when first needed: on the publisher thread
+    as it resolves a step's records, or on the scheduler thread if a hook needs them sooner.
+    ``prev`` is the hash before the key (hex), or the parent's ``_Lazy``. Both threads may
+    compute it at once: they get equal lists, and either is right."""
+
+    __slots__ = ("hashes", "key", "ns", "prev", "seed")
+
+    def __init__(self, key, ns: Hashable, prev: str | _Lazy, seed: KeySeed) -> None:
+        self.key, self.ns, self.prev, self.seed = key, ns, prev, seed
+        self.hashes: list[str] | None = None
+
+    def get(self) -> list[str]:
+        hashes = self.hashes
+        if hashes is None:
+            prev = self.prev
+            if prev.__class__ is _Lazy:
+                prev = prev.get()[-1]
+            seed = self.seed
+            hashes = self.hashes = chain_hashes(self.key, seed.namespace(self.ns), prev)
+        return hashes
 
 
 def _page_info(h: str, chunk: tuple, P: int, i: int | None = None) -> tuple:
@@ -118,8 +161,21 @@ class EventSink:
         self._pages: dict[str, tuple] = {}  # hash -> its chunk: see _page_info
         self._ns_hex: dict[Hashable, str | None] = {}
         self._last_info = float("-inf")
-        self._next_requests = float("-inf")
         self._closed = False
+        self._max_queued = config.queue_batches
+        self._queue: deque[tuple] = deque()  # appended here, popped by the thread
+        self._wake = threading.Event()  # set when the queue is half full, to drain, to stop
+        # Batches dropped while the queue was full: their facts still reach the mirror, ahead
+        # of the next batch queued (see _enqueue).
+        self._overflow: list[tuple] = []
+        self._lazy: dict[int, tuple] = {}  # id(node) -> (node, _Lazy): see _lazy_hashes
+        self._last_stored: tuple = (None, None, None)  # see device_stored
+        self._mirror_seq = -1  # the batch the mirror is at (publisher thread)
+        self._sent_info = self._info  # the latest info the thread sent (rates 0 until then)
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvtier-events-{self.instance_id}", daemon=True
+        )
+        self._thread.start()
 
     @classmethod
     def for_cache(cls, cache, config: EventsConfig, tp_size: int) -> EventSink:
@@ -162,13 +218,19 @@ class EventSink:
         return self.publisher.snapshot_endpoint
 
     def held(self, medium: str) -> set[str]:
-        """Hex hashes of the pages ``medium`` holds as published so far."""
-        return set(self._held[_medium(medium)])
+        """Hex hashes of the pages ``medium`` holds as published so far (waits for the
+        publisher thread, which keeps the mirror)."""
+        medium = _medium(medium)
+        self.drain()
+        return set(self._held[medium])
 
     # -- hooks ---------------------------------------------------------------------------------
 
     def device_stored(self, node) -> None:
-        self._ops.append((_STORED, MEDIUM_DEVICE, self._chunks(node, node.start)))
+        chunks = self._chunks(node, node.start)
+        # Kept for a backup of the same node in the same step (write-through): one walk.
+        self._last_stored = (node, node.key, chunks)
+        self._ops.append((_STORED, MEDIUM_DEVICE, chunks))
 
     def device_loaded(self, load) -> None:
         # The loaded pages end at the anchor (the evicted part of its path, committed at
@@ -181,11 +243,18 @@ class EventSink:
 
     def device_removed(self, node) -> None:
         # The list itself: a node's hash list is replaced on a split, never changed in place.
-        self._ops.append((_REMOVED, MEDIUM_DEVICE, self._hashes(node)))
+        self._ops.append((_REMOVED, MEDIUM_DEVICE, self._lazy_hashes(node)))
 
     def backup_started(self, backup) -> None:
         # The pages are taken now: a node of the chain may be split before the copy is acked.
-        self._backups[id(backup)] = [c for x in backup.nodes for c in self._chunks(x, x.start)]
+        last_node, last_key, last_chunks = self._last_stored
+        records = []
+        for x in backup.nodes:
+            if x is last_node and x.key is last_key:
+                records += last_chunks
+            else:
+                records += self._chunks(x, x.start)
+        self._backups[id(backup)] = records
 
     def backup_done(self, backup) -> None:
         records = self._backups.pop(id(backup), None)
@@ -196,7 +265,7 @@ class EventSink:
         self._ops.append((_STORED, MEDIUM_HOST, self._chunks(node, node.start)))
 
     def host_removed(self, node) -> None:
-        self._ops.append((_REMOVED, MEDIUM_HOST, self._hashes(node)))
+        self._ops.append((_REMOVED, MEDIUM_HOST, self._lazy_hashes(node)))
 
     def storage_stored(self, stored) -> None:
         """``(pool, hash)`` pairs written to L3 (called from the writer thread: a deque append
@@ -211,6 +280,47 @@ class EventSink:
 
     # -- pages of nodes ------------------------------------------------------------------------
 
+    def _lazy_hashes(self, node) -> list[str] | _Lazy:
+        """``node``'s page hashes if known, else a ``_Lazy`` that the publisher thread computes
+        (and the next ``flush`` stores in ``node.page_hashes``): hashing is most of a hook's
+        cost. Hashed now only where the chain before the node is not known either."""
+        hashes = node.page_hashes
+        if hashes is not None:
+            return hashes
+        key = node.key
+        entry = self._lazy.get(id(node))
+        if entry is not None and entry[0] is node and entry[1].key is key:
+            lz = entry[1]
+            return lz if lz.hashes is None else lz.hashes
+        parent = node.parent
+        if parent is None or len(key) < self.P:
+            return self._hashes(node)
+        if parent.parent is None:
+            prev = self.seed.digest_hex(node.namespace)
+        elif parent.page_hashes:
+            prev = parent.page_hashes[-1]
+        else:
+            up = self._lazy.get(id(parent))
+            if up is None or up[0] is not parent or up[1].key is not parent.key:
+                return self._hashes(node)
+            prev = up[1] if up[1].hashes is None else up[1].hashes[-1]
+        if len(self._lazy) >= MAX_LAZY:  # the thread is far behind: stop deferring
+            return self._hashes(node)
+        lz = _Lazy(key, node.namespace, prev, self.seed)
+        self._lazy[id(node)] = (node, lz)
+        return lz
+
+    def _write_back(self) -> None:
+        """Store the hashes the publisher thread has computed in their nodes (if still the
+        same key: a node split since has other lists), for the tree, L3 and later hooks."""
+        seed, lazy = self.seed, self._lazy
+        for k, (node, lz) in list(lazy.items()):  # a few a step: those of the last steps
+            hashes = lz.hashes
+            if hashes is not None:
+                del lazy[k]
+                if node.page_hashes is None and node.key is lz.key and lz.seed is seed:
+                    node.page_hashes = hashes
+
     def _hashes(self, node) -> list[str]:
         """``node``'s page hashes, filling in those of it and its ancestors that lack them (the
         same chain and field as the L3 tier's ``node_hashes``)."""
@@ -218,6 +328,10 @@ class EventSink:
             return node.page_hashes
         path, x = [], node
         while x.parent is not None and x.page_hashes is None:
+            entry = self._lazy.pop(id(x), None)
+            if entry is not None and entry[0] is x and entry[1].key is x.key:
+                x.page_hashes = entry[1].get()  # the same list the thread uses (or will)
+                break
             path.append(x)
             x = x.parent
         prev = x.page_hashes[-1] if x.parent is not None and x.page_hashes else None
@@ -227,7 +341,7 @@ class EventSink:
             # saves hashing the namespace again for every node under the root.
             ns = seed.namespace(y.namespace)
             start = prev if prev is not None else seed.digest_hex(y.namespace)
-            y.page_hashes = page_hashes(y.key, ns, start)
+            y.page_hashes = chain_hashes(y.key, ns, start)
             prev = y.page_hashes[-1] if y.page_hashes else prev
         return node.page_hashes
 
@@ -239,10 +353,16 @@ class EventSink:
         chunks = []
         x = node
         while x.parent is not None and x.end > start:
-            hashes = self._hashes(x)
+            hashes = self._lazy_hashes(x)
             parent = x.parent
-            up = parent.page_hashes[-1] if parent.parent is not None else None
-            chunks.append((hashes, max(0, start - x.start) // P, up, x.key, x.namespace))
+            up = None
+            if parent.parent is not None:
+                up = self._lazy_hashes(parent)
+                if up.__class__ is not _Lazy:
+                    up = up[-1]
+            key = x.key
+            first = start - (x.end - len(key))  # x.start, a property: computed once here
+            chunks.append((hashes, first // P if first > 0 else 0, up, key, x.namespace))
             x = parent
         chunks.reverse()
         return chunks
@@ -265,10 +385,14 @@ class EventSink:
         old = self.seed
         if (salt, tp_size) == (old.salt, old.tp_size):
             return
-        if self._ops or self._written:
-            events = self._resolve()
-            if events:
-                self._publish(events, with_info=False)
+        # Hashes still owed are under the old seed: none of them may go into a node now (the
+        # nodes are re-hashed under the new one), so they are computed for the records only.
+        self._lazy.clear()
+        self.flush()  # what is pending goes under the old keys
+        if not self.drain():
+            log.warning("kv events: rekey while the publisher thread is behind")
+        # The thread is idle now (only snapshot requests read the mirror, which is replaced,
+        # not changed, below) until the next flush.
         new = KeySeed(old.model_id, old.dtype, old.page_size, old.layout, tp_size, salt)
         P, pages = self.P, self._pages
         tr: dict[str, str | None] = {}  # old hash -> new (None: its prefix is not known)
@@ -307,6 +431,9 @@ class EventSink:
         for key, chunks in self._backups.items():
             moved = []
             for hashes, first, up, k, ns in chunks:
+                # Backups recorded before the change: their hashes under the old seed.
+                hashes = hashes.get() if hashes.__class__ is _Lazy else hashes
+                up = up.get()[-1] if up.__class__ is _Lazy else up
                 nhs = [translate(h) for h in hashes[first:]]
                 if None not in nhs:
                     moved.append((nhs, 0, translate(up) if up else None, k[first * P :], ns))
@@ -314,57 +441,101 @@ class EventSink:
         self.seed, self._held, self._pages = new, held, fresh
         self._info.salt, self._info.tp_size = salt, tp_size
         self.counters["rekeys"] += 1
-        self._publish(self.snapshot().events, with_info=True)
+        self._enqueue(None, None, True, _snapshot_records(self._held, self._pages, P))
 
-    # -- per step ------------------------------------------------------------------------------
+    # -- per step (scheduler thread) -----------------------------------------------------------
 
     def flush(self) -> int | None:
-        """Publish what happened since the last flush as one batch (or a heartbeat when due),
-        then answer waiting snapshot requests. Returns the batch's sequence number, or None
-        when nothing was published."""
+        """Queue what the hooks recorded since the last flush as the next batch (or a heartbeat
+        when due) for the publisher thread, which resolves it against the mirror, encodes and
+        sends it. Returns the batch's sequence number, or None when there was nothing."""
         if self._closed:
             return None
-        seq = None
+        if len(self._lazy) >= WRITE_BACK_AT:
+            self._write_back()
         now = time.monotonic()
         # Routers get the instance's rates with the first batch, then once per heartbeat.
         due = now - self._last_info >= self.config.heartbeat_s
         if self._ops or self._written:
-            events = self._resolve()
-            if events:
-                seq = self._publish(events, with_info=due)
-        if seq is None and due:
-            seq = self._publish([], with_info=True)
-        if self.publisher.router is not None and now >= self._next_requests:
-            # Looked at every few milliseconds, not every step: a snapshot is rare, a step is
-            # not, and the socket check costs more than the rest of an idle flush.
-            self._next_requests = now + REQUEST_CHECK_S
-            for frames in self.publisher.requests():
-                self._answer(frames)
-        return seq
+            ops, self._ops = self._ops, []
+            written = None
+            if self._written:
+                pop, written = self._written.popleft, []
+                while self._written:
+                    written.append(pop())
+            return self._enqueue(ops, written, due)
+        if due:
+            return self._enqueue(None, None, True)
+        return None
 
-    def _resolve(self) -> list:
-        ops, self._ops = self._ops, []
-        out = _Events(self)
+    def drain(self, timeout_s: float = JOIN_S) -> bool:
+        """Wait until the publisher thread has handled everything queued so far (tests, close,
+        rekey); False if it did not within ``timeout_s``."""
+        if not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._queue.append((_MARK, done))
+        self._wake.set()
+        return done.wait(timeout_s)
+
+    def _current_info(self) -> wire.InstanceInfo:
+        """A copy of the instance info with fresh rates (the thread encodes it later)."""
+        h2d, storage = (float(r) for r in self.rates())
+        return msgspec.structs.replace(self._info, h2d_gbps=h2d, storage_gbps=storage)
+
+    def _enqueue(self, ops, written, with_info: bool, records: list | None = None) -> int:
+        """Give the hooks' ``ops`` and the L3 writer's ``written`` (or ready ``records``) the
+        next sequence number and queue them; when the publisher thread is ``queue_batches``
+        behind, keep their facts for the mirror but drop the batch (counted): never wait."""
+        self.seq += 1
+        info = None
+        if with_info:
+            info = self._current_info()
+            self._last_info = time.monotonic()
+        q = self._queue
+        if len(q) >= self._max_queued:
+            # The number is spent: subscribers see the gap and take a snapshot of the mirror,
+            # which gets these facts ahead of the next batch that is queued.
+            self._overflow.append((ops, written, records))
+            self.counters["dropped_batches"] += 1
+        else:
+            before = self._overflow
+            if before:  # handed over whole: the thread must not see later appends
+                self._overflow = []
+            else:
+                before = ()
+            q.append((_BATCH, self.seq, time.time(), ops, written, records, info, before))
+            if 2 * len(q) >= self._max_queued:
+                self._wake.set()
+        self.counters["batches"] += 1
+        return self.seq
+
+    # -- the mirror (publisher thread) ---------------------------------------------------------
+
+    def _resolve(self, ops: list | None, written: list | None) -> list:
+        """The hooks' records against the mirror: compact records in order (see ``_build``)."""
+        out: list[tuple] = []
         dead: set[str] = set()
-        for kind, medium, data in ops:
+        counters = self.counters
+        for kind, medium, data in ops or ():
             if kind == _STORED:
                 for chunk in data:
                     self._store(medium, chunk, out)
             elif kind == _REMOVED:
                 held = self._held[medium]
-                gone = held.intersection(data)
+                gone = held.intersection(data.get() if data.__class__ is _Lazy else data)
                 if gone:
                     held -= gone
                     dead |= gone
-                    out.add(wire.BlockRemoved(list(map(bytes.fromhex, gone)), medium))
-                    self.counters[_REMOVED_PAGES[medium]] += len(gone)
+                    out.append((_REMOVED, medium, gone))
+                    counters[_REMOVED_PAGES[medium]] += len(gone)
             else:
                 for m in MEDIA if medium is None else (medium,):
                     dead |= self._held[m]
                     self._held[m] = set()
-                out.add(wire.AllBlocksCleared(medium))
-        while self._written:
-            self._store_written(self._written.popleft(), out)
+                out.append((_CLEARED, medium))
+        for hashes in written or ():
+            self._store_written(hashes, out)
         # Records of pages no medium holds any more go only now: a storage write resolved above
         # may name a page whose host copy was evicted in the same step.
         if dead:
@@ -374,17 +545,34 @@ class EventSink:
             pop = self._pages.pop
             for h in dead:
                 pop(h, None)
-        return out.close()
+        return out
 
-    def _store(self, medium: str, chunk: tuple, out: _Events) -> None:
-        """Record the chunk's pages ``medium`` does not hold yet, one event per run of them."""
+    def _store(self, medium: str, chunk: tuple, out: list) -> None:
+        """Record the chunk's pages ``medium`` does not hold yet, one record per run of them:
+        ``(_STORED, medium, hashes, parent, key, first token, end token, namespace)`` (the key
+        is sliced on the publisher thread: node keys are replaced, never changed in place)."""
         hashes, first, up, key, ns = chunk
+        if hashes.__class__ is _Lazy or up.__class__ is _Lazy:
+            hashes = hashes.get() if hashes.__class__ is _Lazy else hashes
+            up = up.get()[-1] if up.__class__ is _Lazy else up
+            chunk = (hashes, first, up, key, ns)  # the mirror keeps hashes, not _Lazy
         held, P = self._held[medium], self.P
         n = len(hashes)
         span = hashes[first:] if first else hashes
         if held.isdisjoint(span):  # the common case: every page is new here
-            self._add(held, chunk, span, first)
-            out.stored(medium, span, hashes[first - 1] if first else up, key[first * P :], ns)
+            self._add(held, chunk, span)
+            out.append(
+                (
+                    _STORED,
+                    medium,
+                    span,
+                    hashes[first - 1] if first else up,
+                    key,
+                    first * P,
+                    n * P,
+                    ns,
+                )
+            )
             self.counters[_STORED_PAGES[medium]] += n - first
             return
         i = first
@@ -396,18 +584,20 @@ class EventSink:
                 j += 1
             if j > i:
                 run = hashes[i:j]
-                self._add(held, chunk, run, i)
-                out.stored(medium, run, hashes[i - 1] if i else up, key[i * P : j * P], ns)
+                self._add(held, chunk, run)
+                out.append(
+                    (_STORED, medium, run, hashes[i - 1] if i else up, key, i * P, j * P, ns)
+                )
                 self.counters[_STORED_PAGES[medium]] += j - i
             i = j
 
-    def _add(self, held: set[str], chunk: tuple, run: list[str], i: int) -> None:
+    def _add(self, held: set[str], chunk: tuple, run: list[str]) -> None:
         held.update(run)
         # Re-pointing a page another medium holds at this chunk is harmless: a hash names its
         # whole prefix, so every chunk that has it says the same about it.
         self._pages.update(zip(run, itertools.repeat(chunk)))
 
-    def _store_written(self, hashes: list[str], out: _Events) -> None:
+    def _store_written(self, hashes: list[str], out: list) -> None:
         held, pages, P = self._held[MEDIUM_STORAGE], self._pages, self.P
         for h in hashes:
             page = pages.get(h)
@@ -417,9 +607,132 @@ class EventSink:
             if h in held:
                 continue
             held.add(h)
-            parent, tokens, ns = _page_info(h, page, P)
-            out.stored(MEDIUM_STORAGE, [h], parent, tokens, ns)
+            chain, _, up, key, ns = page
+            i = chain.index(h, page[1])
+            out.append(
+                (
+                    _STORED,
+                    MEDIUM_STORAGE,
+                    [h],
+                    chain[i - 1] if i else up,
+                    key,
+                    i * P,
+                    (i + 1) * P,
+                    ns,
+                )
+            )
             self.counters[_STORED_PAGES[MEDIUM_STORAGE]] += 1
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    def snapshot(self) -> wire.KVEventBatch:
+        """Everything each medium holds as of ``self.seq``, as one batch (waits for the
+        publisher thread)."""
+        self.drain()
+        records = _snapshot_records(self._held, self._pages, self.P)
+        return wire.KVEventBatch(
+            ts=time.time(), events=self._build(records), instance=self._current_info()
+        )
+
+    # -- the publisher thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Every ``PUBLISH_INTERVAL_S`` (or when woken): send what ``flush`` queued, in order,
+        then answer snapshot requests (between two batches: the mirror is at one of them)."""
+        q, wake, router = self._queue, self._wake, self.publisher.router
+        while True:
+            wake.wait(PUBLISH_INTERVAL_S)
+            wake.clear()  # before popping: a later set() is not lost
+            while q:
+                item = q.popleft()
+                kind = item[0]
+                if kind == _STOP:
+                    return
+                try:
+                    if kind == _BATCH:
+                        self._send_batch(*item[1:])
+                    else:
+                        item[1].set()
+                except Exception as e:  # never kill the thread: the next batch may go out
+                    self.counters["publish_errors"] += 1
+                    log.warning("kv events: publisher thread: %s", e)
+            if router is not None:
+                try:
+                    for frames in self.publisher.requests():
+                        self._answer(frames)
+                except zmq.ZMQError as e:
+                    self.counters["snapshot_errors"] += 1
+                    log.warning("kv events: snapshot endpoint: %s", e)
+
+    def _send_batch(self, seq: int, ts: float, ops, written, records, info, before) -> None:
+        """Resolve, build, encode and send one batch (after the facts of dropped ones)."""
+        for o, w, r in before:  # dropped batches: their facts only
+            if r is None:
+                self._resolve(o, w)
+        if records is None:
+            records = self._resolve(ops, written)
+        self._mirror_seq = seq
+        if info is not None:
+            self._sent_info = info
+        self.counters["events"] += len(records)
+        batch = wire.KVEventBatch(ts=ts, events=self._build(records), instance=info)
+        try:
+            self.publisher.send((wire.seq_bytes(seq), wire.encode(batch)))
+        except zmq.ZMQError as e:
+            # Never the engine's problem: the number is spent, so subscribers see a gap and
+            # recover from a snapshot.
+            self.counters["publish_errors"] += 1
+            log.warning("kv events: batch %d not sent: %s", seq, e)
+
+    def _build(self, records: list) -> list:
+        """Wire events from compact records, merging stored runs that continue each other
+        (same medium, parent = the previous run's last page, same namespace) into one
+        BlockStored."""
+        events: list = []
+        P = self.P
+        hexb = bytes.fromhex
+        i, n = 0, len(records)
+        while i < n:
+            r = records[i]
+            kind = r[0]
+            if kind == _REMOVED:
+                events.append(wire.BlockRemoved(list(map(hexb, r[2])), r[1]))
+                i += 1
+                continue
+            if kind == _CLEARED:
+                events.append(wire.AllBlocksCleared(r[1]))
+                i += 1
+                continue
+            _, medium, hashes, parent, key, a, b, ns = r
+            j = i + 1
+            last = hashes[-1]
+            while j < n:
+                s = records[j]
+                if s[0] != _STORED or s[1] != medium or s[3] != last or s[7] != ns:
+                    break
+                last = s[2][-1]
+                j += 1
+            if j == i + 1:
+                raws = list(map(hexb, hashes))
+                tokens = key[a:b] if (a or b != len(key)) else list(key)
+            else:
+                run = records[i:j]
+                raws = list(map(hexb, itertools.chain.from_iterable(x[2] for x in run)))
+                tokens = list(itertools.chain.from_iterable(x[4][x[5] : x[6]] for x in run))
+            events.append(
+                wire.BlockStored(
+                    block_hashes=raws,
+                    parent_block_hash=hexb(parent) if parent is not None else None,
+                    token_ids=tokens,
+                    block_size=P,
+                    lora_id=None,
+                    medium=medium,
+                    lora_name=None,
+                    namespace=self._namespace_hex(ns),
+                )
+            )
+            i = j
+        return events
 
     def _namespace_hex(self, ns: Hashable) -> str | None:
         try:
@@ -429,53 +742,10 @@ class EventSink:
             self._ns_hex[ns] = out
             return out
 
-    def _current_info(self) -> wire.InstanceInfo:
-        info = self._info
-        info.h2d_gbps, info.storage_gbps = (float(r) for r in self.rates())
-        return info
-
-    def _publish(self, events: list, with_info: bool) -> int:
-        self.seq += 1
-        batch = wire.KVEventBatch(
-            ts=time.time(), events=events, instance=self._current_info() if with_info else None
-        )
-        try:
-            self.publisher.send((wire.seq_bytes(self.seq), wire.encode(batch)))
-        except zmq.ZMQError as e:
-            # Never the engine's problem: the number is spent, so subscribers see a gap and
-            # recover from a snapshot.
-            self.counters["publish_errors"] += 1
-            log.warning("kv events: batch %d not sent: %s", self.seq, e)
-        if with_info:
-            self._last_info = time.monotonic()
-        self.counters["batches"] += 1
-        self.counters["events"] += len(events)
-        return self.seq
-
-    # -- snapshots -----------------------------------------------------------------------------
-
-    def snapshot(self) -> wire.KVEventBatch:
-        """Everything each medium holds as of ``self.seq``, as one batch."""
-        out = _Events(self)
-        out.add(wire.AllBlocksCleared())
-        pages, P = self._pages, self.P
-        for medium in MEDIA:
-            # In chunk order, so that pages of one node (and of a path) merge into one event.
-            by_chunk: dict[int, list[str]] = {}
-            for h in self._held[medium]:
-                by_chunk.setdefault(id(pages[h]), []).append(h)
-            for hs in by_chunk.values():
-                # In chunk order, so that pages of one node merge into one event.
-                chunk = pages[hs[0]]
-                where = {h: i for i, h in enumerate(chunk[0])}
-                for h in sorted(hs, key=where.__getitem__):
-                    parent, tokens, ns = _page_info(h, chunk, P, where[h])
-                    out.stored(medium, [h], parent, tokens, ns)
-        return wire.KVEventBatch(ts=time.time(), events=out.close(), instance=self._current_info())
-
     def _answer(self, frames: list[bytes]) -> None:
-        """Reply to one request: ``[identity, b"", msgpack SnapshotRequest]`` (REQ or DEALER);
-        anything else is counted and refused (or dropped when it cannot be replied to)."""
+        """Reply to one request: ``[identity, b"", msgpack SnapshotRequest]`` (REQ or DEALER)
+        with the mirror between two batches, labelled with the last one applied; anything else
+        is counted and refused (or dropped when it cannot be replied to)."""
         if len(frames) < 2:
             self.counters["snapshot_malformed"] += 1
             return
@@ -497,9 +767,15 @@ class EventSink:
                 "unknown_instance",
                 f"this is {self.instance_id!r}, not {req.instance_id!r}",
             )
-        payload = wire.encode(self.snapshot())
-        self.publisher.reply([identity, b"", b"OK", wire.seq_bytes(self.seq), payload])
+        seq = self._mirror_seq
+        records = _snapshot_records(self._held, self._pages, self.P)
+        snap = wire.KVEventBatch(
+            ts=time.time(), events=self._build(records), instance=self._sent_info
+        )
+        payload = wire.encode(snap)
+        # Counted first: a subscriber holding the reply may look at the count at once.
         self.counters["snapshots_served"] += 1
+        self.publisher.reply([identity, b"", b"OK", wire.seq_bytes(seq), payload])
 
     def _refuse(self, identity: bytes, why: str, message: str) -> None:
         self.counters[f"snapshot_refused_{why}"] += 1
@@ -515,60 +791,33 @@ class EventSink:
             self.flush()
         finally:
             self._closed = True
-            self.publisher.close()
+            self._queue.append((_STOP,))
+            self._wake.set()
+            self._thread.join(JOIN_S)
+            if self._thread.is_alive():  # its sockets are its own: leave them to the process
+                log.warning("kv events: publisher thread did not stop within %.1f s", JOIN_S)
+            else:
+                self.publisher.close()
 
 
-class _Events:
-    """Builds a batch's events in order, merging stored pages that continue each other (same
-    medium, parent = the open event's last page, same namespace) into one BlockStored."""
-
-    __slots__ = ("_open", "_sink", "events")
-
-    def __init__(self, sink: EventSink) -> None:
-        self._sink = sink
-        self.events: list = []
-        self._open: list | None = None  # [medium, hash runs, tokens, last hash, ns, parent]
-
-    def add(self, event) -> None:
-        self._flush()
-        self.events.append(event)
-
-    def stored(self, medium: str, hashes: list[str], parent, tokens: list, ns) -> None:
-        """A run of pages new on ``medium``: their hashes, the hash before the first, and their
-        tokens (lists the caller hands over)."""
-        o = self._open
-        if o is None or o[0] != medium or o[3] != parent or o[4] != ns:
-            self._flush()
-            self._open = [medium, [hashes], tokens, hashes[-1], ns, parent]
-            return
-        o[1].append(hashes)
-        o[2] += tokens
-        o[3] = hashes[-1]
-
-    def _flush(self) -> None:
-        o = self._open
-        if o is None:
-            return
-        self._open = None
-        medium, runs, tokens, _, ns, parent = o
-        sink = self._sink
-        raws = list(map(bytes.fromhex, runs[0] if len(runs) == 1 else itertools.chain(*runs)))
-        self.events.append(
-            wire.BlockStored(
-                block_hashes=raws,
-                parent_block_hash=bytes.fromhex(parent) if parent is not None else None,
-                token_ids=tokens,
-                block_size=sink.P,
-                lora_id=None,
-                medium=medium,
-                lora_name=None,
-                namespace=sink._namespace_hex(ns),
-            )
-        )
-
-    def close(self) -> list:
-        self._flush()
-        return self.events
+def _snapshot_records(held: dict[str, set[str]], pages: dict[str, tuple], P: int) -> list:
+    """Records (as ``_resolve`` makes) of everything ``held`` names, after AllBlocksCleared."""
+    out: list[tuple] = [(_CLEARED, None)]
+    for medium in MEDIA:
+        by_chunk: dict[int, list[str]] = {}
+        for h in held[medium]:
+            by_chunk.setdefault(id(pages[h]), []).append(h)
+        for hs in by_chunk.values():
+            # In chunk order, so that pages of one node merge into one event.
+            chunk = pages[hs[0]]
+            chain, _, up, key, ns = chunk
+            where = {h: i for i, h in enumerate(chain)}
+            for h in sorted(hs, key=where.__getitem__):
+                i = where[h]
+                out.append(
+                    (_STORED, medium, [h], chain[i - 1] if i else up, key, i * P, (i + 1) * P, ns)
+                )
+    return out
 
 
 def _medium(medium: str) -> str:

@@ -158,7 +158,7 @@ def synced(cache: TieredKVCache, ix: Indexer) -> None:
 
 
 def converge(cache: TieredKVCache, ix: Indexer, bound_s: float = SYNC_S) -> None:
-    """Step the cache (which answers snapshot requests in ``poll``) until the subscriber is at
+    """Step the cache (its publisher thread answers snapshot requests) until the subscriber is at
     the last published batch, within ``bound_s``."""
     ev = cache.events
     deadline = time.monotonic() + bound_s

@@ -178,6 +178,7 @@ def test_refused_subscriber_counts_it_and_the_cache_keeps_working():
         send = pub.send
         pub.send = lambda frames: None  # this batch is lost
         cache.poll()
+        assert cache.events.drain()  # sent (lost) by the publisher thread before restoring
         pub.send = send
         run_turn(cache, conversations(3, n=1)[0])
         while not ix.counters["snapshot_refused"]:
@@ -237,6 +238,7 @@ def test_a_failing_send_is_counted_and_recovered():
 
         pub.send = broken
         run_turn(cache, conversations(6, n=1)[0])  # poll() publishes: the error stays inside
+        assert cache.events.drain()
         assert cache.events.counters["publish_errors"] >= 1
         pub.send = send
         run_turn(cache, conversations(7, n=1)[0])

@@ -94,6 +94,7 @@ def test_lost_last_batch_is_noticed_by_the_heartbeat():
         first_lost = cache.events.seq + 1
         lost = _lossy(cache, lambda seq: b"" if seq == first_lost else None)
         run_turn(cache, conversations(9, n=1)[0])
+        assert cache.events.drain()  # the publisher thread has sent (lost) it
         assert lost == [first_lost]
         converge(cache, ix)  # idle steps: heartbeats, then the snapshot
         check_index(cache, ix, seen)

@@ -167,6 +167,7 @@ def test_batches_decode_with_vllms_schema():
         for c in convs:  # 3 x 20 tokens through a 32-token device pool: evictions
             _finish(cache, c)
             cache.poll()
+        assert cache.events.drain()
         decoder = msgspec.msgpack.Decoder(_VllmBatch)
         kinds = set()
         for _seq, payload in sent:
