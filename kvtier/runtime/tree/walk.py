@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kvtier.runtime.tree.node import TreeNode, child_key, match_len
+from kvtier.runtime.tree.node import TreeNode, match_len
 
 __all__ = ["step"]
 
@@ -21,11 +21,15 @@ def step(
     pages; less than the child's key on a divergence or at ``end``). ``(None, 0)`` if none."""
     if pos >= end:
         return None, 0
-    child = node.children.get(child_key(tokens, pos, page_size, namespace, node.parent is None))
+    # ``child_key`` spelled out: this runs once per node of every match and insert, and the
+    # call cost more than the expression.
+    page = tokens[pos] if page_size == 1 else tuple(tokens[pos : pos + page_size])
+    child = node.children.get(page if node.parent is not None else (namespace, page))
     if child is None:
         return None, 0
     key = child.key
-    stop = pos + len(key)
+    n = len(key)
+    stop = pos + n
     if stop <= end and key == tokens[pos:stop]:
-        return child, len(key)
+        return child, n
     return child, match_len(key, tokens, pos, page_size, end)
