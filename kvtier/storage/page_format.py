@@ -84,12 +84,14 @@ try:
     _addressof = ctypes.addressof
 
     def _xxh3_one(part: Buffer) -> int:
-        """XXH3-64 of one buffer; without the GIL where possible (a writable, non-empty one)."""
+        """XXH3-64 of one buffer; without the GIL where possible (a writable, contiguous, non-empty
+        one: ``part`` keeps the memory alive through the call)."""
         if (
             _NOGIL is not None
             and isinstance(part, memoryview)
             and part.nbytes
             and not part.readonly
+            and part.c_contiguous
         ):
             return _NOGIL(_addressof(_from_buffer(part)), part.nbytes)
         return xxhash.xxh3_64_intdigest(part)
