@@ -431,6 +431,22 @@ def _launch(
     grid0 = min(knobs.num_programs, num_tiles)
     layer_start = 0 if layer is None else layer
     compiled = prep.compiled
+    # The kernel's runtime arguments, in its signature's order (both launches below pass them).
+    args = (
+        prep.dev_words,
+        dev.table,
+        prep.host_words,
+        dev_idx,
+        host_idx,
+        n_rows,
+        dev.num_layers,
+        layer_start,
+        n_sel,
+        host.page_size,
+        *prep.args,
+        n_tiles_r,
+        num_tiles,
+    )
     if (
         compiled is not None
         and FAST_LAUNCH
@@ -455,38 +471,11 @@ def _launch(
             None,
             None,
             None,
-            prep.dev_words,
-            dev.table,
-            prep.host_words,
-            dev_idx,
-            host_idx,
-            n_rows,
-            dev.num_layers,
-            layer_start,
-            n_sel,
-            host.page_size,
-            *prep.args,
-            n_tiles_r,
-            num_tiles,
+            *args,
             *prep.consts,
         )
         return
-    kernel = _kv_copy_kernel[(grid0,)](
-        prep.dev_words,
-        dev.table,
-        prep.host_words,
-        dev_idx,
-        host_idx,
-        n_rows,
-        dev.num_layers,
-        layer_start,
-        n_sel,
-        host.page_size,
-        *prep.args,
-        n_tiles_r,
-        num_tiles,
-        **prep.meta,
-    )
+    kernel = _kv_copy_kernel[(grid0,)](*args, **prep.meta)
     if (
         FAST_LAUNCH
         and dev.device.type == "cuda"

@@ -42,6 +42,7 @@ __all__ = [
     "PoolTransfer",
     "StorageBackend",
     "available_backends",
+    "check_modes",
     "create_backend",
     "register_backend",
     "usable_prefix",
@@ -102,6 +103,20 @@ def _hash_problem(page_hash: object) -> str | None:
     if not _PAGE_HASH.fullmatch(page_hash):
         return "is not a page hash (64 lowercase hex chars)"
     return None
+
+
+def check_modes(cfg: object) -> None:
+    """A file store config's ``dir_mode`` and ``file_mode``: permission bits within 0o777 that
+    keep the owner's access (the root's permissions are the store's security boundary)."""
+    for name, owner in (("dir_mode", 0o700), ("file_mode", 0o600)):
+        mode = getattr(cfg, name)
+        if isinstance(mode, bool) or not isinstance(mode, int):
+            raise TypeError(f"{name} must be an int, got {type(mode).__name__} {mode!r}")
+        if not 0 <= mode <= 0o777 or mode & owner != owner:
+            raise ValueError(
+                f"{name} must be permission bits within 0o777 that include {owner:#o}, "
+                f"got {mode:#o}"
+            )
 
 
 def validate_key(key: object) -> str:

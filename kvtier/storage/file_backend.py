@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.metrics import TierMetrics
-from kvtier.storage.base import Parts, StorageBackend, validate_key
+from kvtier.storage.base import Parts, StorageBackend, check_modes, validate_key
 from kvtier.storage.keys import KeyScope
 from kvtier.storage.page_format import (
     HEADER_SIZE,
@@ -70,6 +70,7 @@ from kvtier.storage.page_format import (
     verify,
 )
 from kvtier.storage.segments import SegmentBackend, SegmentBackendConfig
+from kvtier.storage.segments.io import remaining
 from kvtier.storage.segments.root import open_root
 
 __all__ = ["FileBackend", "FileBackendConfig", "FilePerPageBackend", "FilePerPageConfig"]
@@ -155,29 +156,9 @@ class FilePerPageConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive or None, got {self.capacity_bytes}")
-        for name, owner in (("dir_mode", 0o700), ("file_mode", 0o600)):
-            mode = getattr(self, name)
-            if isinstance(mode, bool) or not isinstance(mode, int):
-                raise TypeError(f"{name} must be an int, got {type(mode).__name__} {mode!r}")
-            if not 0 <= mode <= 0o777 or mode & owner != owner:
-                raise ValueError(
-                    f"{name} must be permission bits within 0o777 that include {owner:#o}, "
-                    f"got {mode:#o}"
-                )
+        check_modes(self)
         if not self.stale_tmp_s > 0:
             raise ValueError(f"stale_tmp_s must be positive, got {self.stale_tmp_s}")
-
-
-def _after(iovecs: list[memoryview], done: int) -> list[memoryview]:
-    """The parts of ``iovecs`` still to move once the first ``done`` bytes have moved."""
-    rest = []
-    for v in iovecs:
-        if done >= v.nbytes:
-            done -= v.nbytes
-        else:
-            rest.append(v[done:])
-            done = 0
-    return rest
 
 
 class FilePerPageBackend(StorageBackend):
@@ -393,7 +374,7 @@ class FilePerPageBackend(StorageBackend):
             iovecs = [hview, *parts]
             got = os.readv(fd, iovecs)
             while got < want:  # short reads are rare on regular files but legal
-                n = os.readv(fd, _after(iovecs, got))
+                n = os.readv(fd, remaining(iovecs, got))
                 if n == 0:
                     return _BAD
                 got += n
@@ -472,7 +453,7 @@ class FilePerPageBackend(StorageBackend):
                 os.fchmod(fd, self.config.file_mode)  # exactly, whatever the umask took away
                 done = os.writev(fd, iovecs)
                 while done < want:  # a short write (full disk, signal): write the rest
-                    done += os.writev(fd, _after(iovecs, done))
+                    done += os.writev(fd, remaining(iovecs, done))
                 if self.config.fsync:
                     os.fsync(fd)
             finally:

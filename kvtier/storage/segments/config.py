@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvtier.storage.base import check_modes
+
 __all__ = ["SegmentBackendConfig"]
 
 
@@ -69,15 +71,7 @@ class SegmentBackendConfig:
         cap, seg = self.capacity_bytes, self.segment_bytes
         if cap is not None and seg is not None and seg > cap:
             raise ValueError(f"segment_bytes must be at most capacity_bytes ({cap}), got {seg}")
-        for name, owner in (("dir_mode", 0o700), ("file_mode", 0o600)):
-            mode = getattr(self, name)
-            if isinstance(mode, bool) or not isinstance(mode, int):
-                raise TypeError(f"{name} must be an int, got {type(mode).__name__} {mode!r}")
-            if not 0 <= mode <= 0o777 or mode & owner != owner:
-                raise ValueError(
-                    f"{name} must be permission bits within 0o777 that include {owner:#o}, "
-                    f"got {mode:#o}"
-                )
+        check_modes(self)
         if self.verify not in ("always", "once"):
             raise ValueError(f"verify must be 'always' or 'once', got {self.verify!r}")
         for name in ("lock_timeout_s", "touch_interval_s"):

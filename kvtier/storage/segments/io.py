@@ -28,7 +28,7 @@ def write_all(fd: int, iovecs: list, offset: int) -> None:
     total = sum(v.nbytes if isinstance(v, memoryview) else len(v) for v in iovecs)
     done = os.pwritev(fd, iovecs, offset)
     while done < total:
-        n = os.pwritev(fd, _after(iovecs, done), offset + done)
+        n = os.pwritev(fd, remaining(iovecs, done), offset + done)
         if n == 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         done += n
@@ -39,14 +39,14 @@ def read_all(fd: int, iovecs: list[memoryview], offset: int, want: int) -> int:
     the bytes read."""
     got = os.preadv(fd, iovecs, offset)
     while 0 < got < want:  # short reads are legal; zero means the file ends here
-        more = os.preadv(fd, _after(iovecs, got), offset + got)
+        more = os.preadv(fd, remaining(iovecs, got), offset + got)
         if more == 0:
             break
         got += more
     return got
 
 
-def _after(iovecs: list, done: int) -> list:
+def remaining(iovecs: list, done: int) -> list:
     """The parts of ``iovecs`` still to move once the first ``done`` bytes have moved."""
     rest = []
     for v in iovecs:
