@@ -188,7 +188,7 @@ def kv_pack_rows(out: list, sweep: list) -> None:
     for mult in (1, 2, 4, 8):
         for tile in (8192, 16384, 32768):
             for nw in (4, 8):
-                k = TransferKnobs(sms * mult, tile, nw)
+                k = TransferKnobs(sms * mult, tile, nw, small_h2d_bytes=0)
                 g = gbs(
                     nbytes,
                     median_ms(

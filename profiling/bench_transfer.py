@@ -239,7 +239,7 @@ def sweep(tune: bool, ceiling: Ceiling) -> list[dict]:
         for programs in (1, 2, 4, 8, 16, 32, 64):
             for tile in tiles:
                 for nw in warps:
-                    knobs = TransferKnobs(programs, tile, nw)
+                    knobs = TransferKnobs(programs, tile, nw, small_h2d_bytes=0)
                     if direction == "d2h":
                         fn = partial(
                             copy_device_to_host, dev, host, didx, hidx, layer=layer, knobs=knobs
@@ -395,6 +395,8 @@ def main() -> None:
         args.programs or DEFAULT_KNOBS.num_programs,
         args.tile_bytes or DEFAULT_KNOBS.tile_bytes,
         args.num_warps or DEFAULT_KNOBS.num_warps,
+        # A tile or warps given on the command line are used for every call.
+        small_h2d_bytes=0 if args.tile_bytes or args.num_warps else DEFAULT_KNOBS.small_h2d_bytes,
     )
     info = environment()
     print(info, knobs, flush=True)

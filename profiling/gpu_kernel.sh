@@ -101,11 +101,16 @@ s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(
 
 # --- H->D probe: more warps per program (32) at the same or twice the bytes in flight ----------
 print("rows: what | tile | warps | do_bench %CE | graph %CE  (CE = contiguous copy_)")
-variants = ((65536, 16), (65536, 32), (131072, 32), (32768, 32))
+# "default" = TransferKnobs() as a cache runs it: host->device calls up to small_h2d_bytes take
+# the small-call variant; the fixed rows turn that choice off.
+variants = (("default", None), (65536, 16), (32768, 32))
 for name, B, L, P, item, dtype, pages, n, layout, scopes in (
     ("c4", 1, 8, 64, (576,), torch.uint8, 256, 32, "page_first_direct", (0,)),
+    ("c4", 1, 8, 64, (576,), torch.uint8, 256, 32, "layer_first", (0,)),
     ("c4", 1, 8, 64, (576,), torch.uint8, 256, 128, "page_first_direct", (0,)),
     ("kv", 2, 32, 16, (8, 128), torch.bfloat16, 1024, 512, "page_first_direct", (None, 0)),
+    ("kv", 2, 4, 16, (8, 128), torch.bfloat16, 4096, 1024, "page_first_direct", (0,)),
+    ("kv", 2, 4, 16, (8, 128), torch.bfloat16, 4096, 4096, "page_first_direct", (0,)),
 ):
     db, hb = pools(B, L, pages, P, item, dtype, layout)
     g = torch.Generator().manual_seed(n)
@@ -115,7 +120,8 @@ for name, B, L, P, item, dtype, pages, n, layout, scopes in (
         nb = n * P * B * db.item_bytes * (L if layer is None else 1)
         c = ce(nb, False)
         for tb, w in variants:
-            fn = call(db, hb, di, hi, False, layer, TransferKnobs(4, tb, w), "page")
+            kn = TransferKnobs(4) if w is None else TransferKnobs(4, tb, w, small_h2d_bytes=0)
+            fn = call(db, hb, di, hi, False, layer, kn, "page")
             a = do_bench(fn, warmup=10, rep=100, return_mode="median")
             b = graph_ms(fn) if layer is not None else a
             print(f"{name} {layout} h2d {'all' if layer is None else '1L'} {n}p {nb/2**20:.3f}MiB | {tb} | {w} | "

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -142,23 +142,61 @@ class TransferKnobs:
         num_programs: grid size cap: at most this many programs (about one SM each) run a copy.
         tile_bytes: bytes one program moves per step (its bytes in flight).
         num_warps: warps per program.
+        small_h2d_bytes: one-layer host->device calls of at most this many bytes use the
+            small-call variant below (0: never). Host reads are latency-bound: in a call of a
+            few tiles per program the programs wait on their tiles in step and the link idles a
+            round trip per tile; half the tile on twice the warps keeps more reads in flight
+            per byte (H100: 72 -> 87% of the copy engine at 1.1 MiB in a CUDA graph, 80 -> 94%
+            per call) but is slower on large and on all-layer calls, whose programs drift out
+            of step anyway (profiling/results/gpu_kernel.md). Device->host stores are posted
+            and keep the default.
+        small_tile_bytes, small_num_warps: the small-call variant's tile and warps.
     """
 
     num_programs: int = 4
     tile_bytes: int = 65536
     num_warps: int = 16
+    small_h2d_bytes: int = 8 << 20
+    small_tile_bytes: int = 32768
+    small_num_warps: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("num_programs", "tile_bytes", "num_warps"):
+        for name in (
+            "num_programs",
+            "tile_bytes",
+            "num_warps",
+            "small_h2d_bytes",
+            "small_tile_bytes",
+            "small_num_warps",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name}: expected an int, got {v!r}")
         if self.num_programs < 1:
             raise ValueError(f"num_programs must be >= 1, got {self.num_programs}")
-        if self.tile_bytes < 16 or self.tile_bytes & (self.tile_bytes - 1):
-            raise ValueError(f"tile_bytes must be a power of two >= 16, got {self.tile_bytes}")
-        if self.num_warps not in (1, 2, 4, 8, 16, 32):
-            raise ValueError(f"num_warps must be a power of two in [1, 32], got {self.num_warps}")
+        if self.small_h2d_bytes < 0:
+            raise ValueError(f"small_h2d_bytes must be >= 0, got {self.small_h2d_bytes}")
+        for tile, warps in (("tile_bytes", "num_warps"), ("small_tile_bytes", "small_num_warps")):
+            t, w = getattr(self, tile), getattr(self, warps)
+            if t < 16 or t & (t - 1):
+                raise ValueError(f"{tile} must be a power of two >= 16, got {t}")
+            if w not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"{warps} must be a power of two in [1, 32], got {w}")
+
+    def small_variant(self) -> TransferKnobs:
+        """The knobs of the small host->device call variant (whose own variant is off)."""
+        return _SMALL_VARIANTS.get(self) or _SMALL_VARIANTS.setdefault(
+            self,
+            replace(
+                self,
+                tile_bytes=self.small_tile_bytes,
+                num_warps=self.small_num_warps,
+                small_h2d_bytes=0,
+            ),
+        )
+
+
+_SMALL_VARIANTS: dict[TransferKnobs, TransferKnobs] = {}
 
 
 DEFAULT_KNOBS = TransferKnobs()
@@ -301,6 +339,7 @@ class _Prepared:
     chunks: int
     block_r: int
     args: tuple  # host strides and the device slot stride, in vectors
+    knobs: TransferKnobs  # the variant's knobs (for the grid cap)
     meta: dict  # the kernel's constexprs and num_warps
     consts: tuple  # the constexprs' values in signature order (the compiled launcher's tail)
     compiled: object = None  # the compiled kernel, once a launch through the JIT has made it
@@ -339,6 +378,7 @@ def _prepared(
         host=weakref.ref(host),
         dev_words=as_words(dev.base),
         host_words=as_words(host.tensor, host.offset),
+        knobs=knobs,
         chunks=item_words // block_w,
         block_r=block_r,
         args=(
@@ -423,35 +463,25 @@ def _launch(
     n_tokens = dev_idx.numel() * tpi
     if n_tokens == 0:
         return
-    prep = _prepared(dev, host, tpi, d2h, knobs)
-    n_rows = n_tokens * prep.chunks
-    n_tiles_r = (n_rows + prep.block_r - 1) // prep.block_r
     n_sel = 1 if layer is not None else dev.num_layers
-    num_tiles = dev.num_buffers * n_sel * n_tiles_r
-    grid0 = min(knobs.num_programs, num_tiles)
-    layer_start = 0 if layer is None else layer
+    sibling = None  # the other host->device variant, compiled beside the first (see below)
+    if not d2h and knobs.small_h2d_bytes:
+        small = knobs.small_variant()
+        if (
+            layer is not None
+            and n_tokens * dev.num_buffers * dev.item_bytes <= knobs.small_h2d_bytes
+        ):
+            knobs, sibling = small, knobs
+        else:
+            sibling = small
+    prep = _prepared(dev, host, tpi, d2h, knobs)
+    grid0, args = _launch_args(prep, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
     compiled = prep.compiled
-    # The kernel's runtime arguments, in its signature's order (both launches below pass them).
-    args = (
-        prep.dev_words,
-        dev.table,
-        prep.host_words,
-        dev_idx,
-        host_idx,
-        n_rows,
-        dev.num_layers,
-        layer_start,
-        n_sel,
-        host.page_size,
-        *prep.args,
-        n_tiles_r,
-        num_tiles,
-    )
     if (
         compiled is not None
         and FAST_LAUNCH
-        and num_tiles <= _I32_MAX
-        and n_rows <= _I32_MAX
+        and args[-1] <= _I32_MAX
+        and args[5] <= _I32_MAX
         and _hooks_off()
     ):
         # The direct launch: what JITFunction.run ends with, minus its per-call argument
@@ -483,6 +513,46 @@ def _launch(
         and hasattr(kernel, "packed_metadata")
     ):
         prep.compiled = kernel
+        if sibling is not None:
+            # A cache compiles its variants in ``warmup`` with small calls; compile the
+            # large-call variant too (no launch), so no later request waits for a compile.
+            other = _prepared(dev, host, tpi, d2h, sibling)
+            if other.compiled is None:
+                g, a = _launch_args(other, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
+                other.compiled = _kv_copy_kernel.warmup(*a, grid=(g,), **other.meta)
+
+
+def _launch_args(
+    prep: _Prepared,
+    dev: DeviceBuffers,
+    host: HostBuffer,
+    dev_idx: torch.Tensor,
+    host_idx: torch.Tensor,
+    n_tokens: int,
+    layer: int | None,
+    n_sel: int,
+) -> tuple[int, tuple]:
+    """The grid and the kernel's runtime arguments in its signature's order (``n_rows`` at
+    index 5, ``num_tiles`` last)."""
+    n_rows = n_tokens * prep.chunks
+    n_tiles_r = (n_rows + prep.block_r - 1) // prep.block_r
+    num_tiles = dev.num_buffers * n_sel * n_tiles_r
+    args = (
+        prep.dev_words,
+        dev.table,
+        prep.host_words,
+        dev_idx,
+        host_idx,
+        n_rows,
+        dev.num_layers,
+        0 if layer is None else layer,
+        n_sel,
+        host.page_size,
+        *prep.args,
+        n_tiles_r,
+        num_tiles,
+    )
+    return min(prep.knobs.num_programs, num_tiles), args
 
 
 # NVTX range names of recent calls: formatting one costs more than the rest of a small call's

@@ -27,7 +27,8 @@ def device_knobs(device: torch.device) -> TransferKnobs:
         if device.type == "cuda"
         else 4
     )
-    return TransferKnobs(num_programs=4 * sms, tile_bytes=16384, num_warps=4)
+    # The small host->device variant is for latency-bound reads of host memory, not HBM.
+    return TransferKnobs(num_programs=4 * sms, tile_bytes=16384, num_warps=4, small_h2d_bytes=0)
 
 
 def _knobs(

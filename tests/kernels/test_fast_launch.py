@@ -1,6 +1,8 @@
 """The direct launch of the copy kernel (a cached compiled kernel, without the JIT's per-call
 binding): taken from the second call of a pool pair on, bit-exact against the torch reference
-for every layout, direction and scope, and left alone while launch hooks are installed.
+for every layout, direction and scope, and left alone while launch hooks are installed. The
+host->device small-call variant (``TransferKnobs.small_h2d_bytes``) is chosen by a call's bytes
+and compiled beside the default at the first call, so no later call goes through the JIT.
 
 The direct launch exists on CUDA only; on the CPU (interpreter) the cache must stay empty.
 """
@@ -37,8 +39,12 @@ def _setup(layout, item, seed, device):
     return dev, host, gen
 
 
+def _entries(dev, host):
+    return [p for k, p in kv_transfer._PREPARED.items() if k[:2] == (id(dev), id(host))]
+
+
 def _entry(dev, host):
-    hits = [p for k, p in kv_transfer._PREPARED.items() if k[:2] == (id(dev), id(host))]
+    hits = _entries(dev, host)
     assert len(hits) == 1, hits
     return hits[0]
 
@@ -65,9 +71,19 @@ def test_direct_launch_matches_reference(layout, direction, item, monkeypatch):
     dev, host, gen = _setup(layout, item, 7, device)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
     jit = _count_jit(monkeypatch)
-    knobs = TransferKnobs(num_programs=2, tile_bytes=64, num_warps=1)
+    # Host->device calls of up to 3 one-layer pages take the small-call variant.
+    page_bytes = P * 2 * 2 * item[0] * item[1]  # one layer of one page: K and V, fp16
+    knobs = TransferKnobs(
+        num_programs=2,
+        tile_bytes=64,
+        num_warps=1,
+        small_h2d_bytes=3 * page_bytes,
+        small_tile_bytes=32,
+        small_num_warps=2,
+    )
     d2h = direction == "d2h"
-    # Calls of different sizes, layers and scopes: only the first goes through the JIT.
+    # Calls of different sizes, layers and scopes: only the first goes through the JIT (which,
+    # host->device, also compiles the other variant).
     for i, (n, layer) in enumerate(((2, None), (1, 0), (3, 2), (HOST_PAGES, 1), (2, None))):
         dp = pick_pages(DEV_PAGES, n, gen).to(device)
         hp = pick_pages(HOST_PAGES, n, gen).to(device)
@@ -80,8 +96,72 @@ def test_direct_launch_matches_reference(layout, direction, item, monkeypatch):
         what = f"{layout} {direction} call {i} ({n} pages, layer {layer})"
         assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
         assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
-        assert _entry(dev, host).compiled is not None, what
-    assert jit[0] == 1, f"{jit[0]} launches went through the JIT, expected only the first"
+        entries = _entries(dev, host)
+        assert len(entries) == (1 if d2h else 2), what
+        assert all(e.compiled is not None for e in entries), what
+    if not d2h:
+        tiles = sorted(e.meta["num_warps"] for e in _entries(dev, host))
+        assert tiles == [1, 2], tiles
+    want = 1 if d2h else 2  # host->device: the first call's launch + the other's compile
+    assert jit[0] == want, f"{jit[0]} calls went through the JIT, expected {want}"
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_small_h2d_variant_chosen_by_bytes(layout, device, monkeypatch):
+    """Both host->device variants move the same bytes; one-layer calls up to
+    ``small_h2d_bytes`` take the small variant, larger and all-layer calls the default."""
+    item = (2, 8)
+    dev, host, gen = _setup(layout, item, 11, device)
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    page_bytes = P * 2 * 2 * item[0] * item[1]  # one layer of one page: K and V, fp16
+    knobs = TransferKnobs(
+        num_programs=2,
+        tile_bytes=128,
+        num_warps=1,
+        small_h2d_bytes=2 * page_bytes,
+        small_tile_bytes=32,
+        small_num_warps=2,
+    )
+    launched = []  # the variant each launch built its arguments for (first: the one it runs)
+    args_of = kv_transfer._launch_args
+
+    def spy(prep, *a):
+        launched.append(prep.knobs)
+        return args_of(prep, *a)
+
+    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    for n, layer, small in ((1, 0, True), (2, 1, True), (3, 2, False), (1, None, False)):
+        dp = pick_pages(DEV_PAGES, n, gen).to(device)
+        hp = pick_pages(HOST_PAGES, n, gen).to(device)
+        launched.clear()
+        copy_host_to_device(host, dev, hp, dp, layer=layer, index_unit="page", knobs=knobs)
+        ref_copy_kv(ref_dev, ref_host, dp, hp, d2h=False, layer=layer, index_unit="page")
+        what = f"{n} pages, layer {layer}"
+        assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what)
+        assert launched[0] == (knobs.small_variant() if small else knobs), what
+    assert_bytes_equal(host.tensor, ref_host.tensor, "the host side is only read")
+    launched.clear()  # device->host always takes the default
+    copy_device_to_host(dev, host, dp, hp, layer=0, index_unit="page", knobs=knobs)
+    assert launched == [knobs]
+
+
+def test_small_variant_knobs_are_checked():
+    k = TransferKnobs()
+    s = k.small_variant()
+    assert (s.tile_bytes, s.num_warps, s.small_h2d_bytes) == (
+        k.small_tile_bytes,
+        k.small_num_warps,
+        0,
+    )
+    assert s.num_programs == k.num_programs and k.small_variant() is s
+    with pytest.raises(ValueError, match="small_tile_bytes"):
+        TransferKnobs(small_tile_bytes=48)
+    with pytest.raises(ValueError, match="small_num_warps"):
+        TransferKnobs(small_num_warps=3)
+    with pytest.raises(ValueError, match="small_h2d_bytes"):
+        TransferKnobs(small_h2d_bytes=-1)
+    with pytest.raises(TypeError, match="small_h2d_bytes"):
+        TransferKnobs(small_h2d_bytes=1.5)
 
 
 @pytest.mark.skipif(not CUDA, reason="the direct launch exists on CUDA only")

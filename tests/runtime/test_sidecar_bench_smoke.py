@@ -21,6 +21,7 @@ def test_bench_sidecar_quick_rows():
         moved=(2,),
         layouts=("page_first",),
         device=torch.device("cpu"),
+        rounds=2,
     )
     assert [r["what"] for r in rows] == [
         "d2h one layer",
@@ -33,6 +34,7 @@ def test_bench_sidecar_quick_rows():
         layers = 2 if "all" in r["what"] else 1
         assert r["mib"] * 2**20 == 2 * page_bytes * layers, r
         assert r["gbs"] > 0 and r["ceiling"] > 0 and r["programs"] == 4, r
+        assert len(r["pct_rounds"]) == 2 and r["pct_rounds"] == sorted(r["pct_rounds"]), r
     assert markdown(
         {
             "gpu": None,
