@@ -50,14 +50,25 @@ class KVTierConfigWarning(UserWarning):
 # -- field checks: each raises naming the field and showing the value ------------------------
 
 
-def _int(obj: object, name: str, *, optional: bool = False, minimum: int | None = None) -> None:
-    """Check an int field (bools and floats refused, integral numpy scalars stored as int)."""
+def _number(obj: object, name: str, kind: type, what: str, optional: bool) -> object:
+    """The field's value if it is a ``kind`` (bools refused), else None when optional and None;
+    raises TypeError naming the field otherwise."""
     v = getattr(obj, name)
     if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, kind):
+        raise TypeError(
+            f"{name}: expected {what}{' or None' if optional else ''}, got {v!r} "
+            f"({type(v).__name__})"
+        )
+    return v
+
+
+def _int(obj: object, name: str, *, optional: bool = False, minimum: int | None = None) -> None:
+    """Check an int field (bools and floats refused, integral numpy scalars stored as int)."""
+    v = _number(obj, name, numbers.Integral, "an int", optional)
+    if v is None:
         return
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        kind = "an int or None" if optional else "an int"
-        raise TypeError(f"{name}: expected {kind}, got {v!r} ({type(v).__name__})")
     object.__setattr__(obj, name, int(v))
     if minimum is not None and v < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {v!r}")
@@ -65,13 +76,8 @@ def _int(obj: object, name: str, *, optional: bool = False, minimum: int | None 
 
 def _real(obj: object, name: str, *, optional: bool = False) -> None:
     """Check a finite real field: nan and inf would turn comparisons (timeouts, limits) off."""
-    v = getattr(obj, name)
-    if v is None and optional:
-        return
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        kind = "a number or None" if optional else "a number"
-        raise TypeError(f"{name}: expected {kind}, got {v!r} ({type(v).__name__})")
-    if not math.isfinite(v):
+    v = _number(obj, name, numbers.Real, "a number", optional)
+    if v is not None and not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {v!r}")
 
 
@@ -226,7 +232,10 @@ class CacheConfig:
         knobs: copy-kernel launch knobs (grid cap, tile bytes, warps).
         io_backend: how KV/SWA pages move between device and host: "copy_engine"
             (``cudaMemcpyBatchAsync``, no SMs; needs CUDA >= 12.8 and ``kvtier[cuda]``), "kernel"
-            (the Triton copy kernel) or "auto" (the copy engine where it wins, per transfer:
+            (the Triton copy kernel), "staged" (a device gather/scatter through a small ring
+            plus contiguous copy-engine transfers: every host layout, few descriptors;
+            ``kvtier.kernels.staged``) or "auto" (the copy engine where it wins, per transfer,
+            weighing chunk size and descriptors per call:
             ``kvtier.kernels.dispatch.CROSSOVERS``). Where the copy engine cannot run (no CUDA,
             no cuda-bindings, an old driver, a ``page_first`` host layout) the kernel runs, and
             the reason is counted (``controller.stats.route_reasons``).
