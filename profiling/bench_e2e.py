@@ -119,7 +119,10 @@ def main() -> None:
         help="host pool layout (the copy engine serves layer_first and page_first_direct)",
     )
     ap.add_argument(
-        "--io-backend", default="auto", choices=("auto", "kernel", "copy_engine"), help="copy path"
+        "--io-backend",
+        default="auto",
+        choices=("auto", "kernel", "copy_engine", "staged"),
+        help="copy path",
     )
     args = ap.parse_args()
     global HIDDEN, QH, FFN, VOCAB

@@ -54,7 +54,7 @@ from profiling.common import environment, gbs, header_lines, median
 
 L, H, D, HIDDEN, FFN = 32, 8, 128, 4096, 14336
 LAYOUTS = ("layer_first", "page_first_direct", "page_first")
-PATHS = ("kernel", "copy_engine")
+PATHS = ("kernel", "copy_engine", "staged")
 PAGE_SIZES = (1, 16, 64)
 
 
@@ -167,9 +167,9 @@ def run_row(path, d2h, layout, P, dev, host, tokens, gemm: Gemm, reps: int, gen)
     xs = torch.cuda.Stream(dev.device)
     x = Transfer(copier, d_slots, h_slots, d2h, xs)
     plan = x.plan
-    if path == "copy_engine" and plan.route.path != "copy_engine":
-        print(f"copy_engine {layout} P={P}: falls back ({plan.route.reason.value})", flush=True)
-        return None  # page_first at P > 1: the kernel row covers it
+    if path != "kernel" and plan.route.path != path:
+        print(f"{path} {layout} P={P}: falls back ({plan.route.reason.value})", flush=True)
+        return None  # page_first at P > 1 on the copy engine: the kernel row covers it
     x.enqueue()  # warm-up (compiles the kernel variant)
     torch.cuda.synchronize()
     x.issue_s.clear()
@@ -342,7 +342,8 @@ def write_report(out: str, info: dict, rows: list[Row], ceil: dict, cpu: dict, a
             "a rep). CPU µs/call = host time of the "
             "issue loop / calls (32 for a load, 1 for a backup); plan ms = descriptors or index "
             "upload, once per batch. descr./call = copy-engine descriptors of the largest call "
-            "after adjacent chunks merged."
+            "after adjacent chunks merged (staged: copy-engine calls plus gather/scatter "
+            "launches of the largest call)."
         ),
         "",
         (
@@ -388,10 +389,10 @@ def plot(out: str, info: dict, rows: list[Row]) -> None:
         (axes[0], "ratio", "fixed-work ratio (1.0 = perfect overlap)"),
         (axes[1], "gemm_slowdown", "GEMM slowdown beside the transfer"),
     ):
-        width = 0.4
+        width = 0.8 / len(PATHS)
         for i, path in enumerate(PATHS):
             vals = {lab: getattr(r, attr) for lab, r in zip(labels, rows) if r.path == path}
-            xs = [k + (i - 0.5) * width for k in range(len(keys))]
+            xs = [k + (i - (len(PATHS) - 1) / 2) * width for k in range(len(keys))]
             ax.bar(xs, [vals.get(k, 0.0) for k in keys], width, label=path)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels(keys, rotation=70, fontsize=7)

@@ -1,9 +1,10 @@
 """Copies between one device pool and one host pool, on the path ``io_backend`` picks.
 
 A :class:`HostCopier` is built once per pool pair and caches what does not change between calls:
-the chunk geometry (every tensor's address and the host strides) and whether the copy engine can
-run here. Each batch of indices becomes a :class:`CopyPlan` first (descriptors on the copy
-engine, device-side index tensors on the kernel) and is issued after, so a layer-by-layer load
+the chunk geometry (every tensor's address and the host strides), whether the copy engine can
+run here, and (on first use) the staged path's device ring. Each batch of indices becomes a
+:class:`CopyPlan` first (descriptors on the copy engine, device-side index tensors on the kernel,
+slot regions and chunk indices on the staged path) and is issued after, so a layer-by-layer load
 pays the planning once per batch and each layer's issue is one call::
 
     plan = copier.plan(dev_slots, host_slots, d2h=False, per_layer=True)   # CPU work, once
@@ -34,6 +35,7 @@ from kvtier.kernels.copy_engine import (
     memcpy_batch,
 )
 from kvtier.kernels.dispatch import (
+    CROSSOVERS,
     Route,
     check_io_backend,
     debug_checks,
@@ -42,6 +44,7 @@ from kvtier.kernels.dispatch import (
 )
 from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer
+from kvtier.kernels.staged import DEFAULT_STAGING_BYTES, STAGED_KNOBS, Stager
 from kvtier.nvtx import copy_range_name, nvtx_range
 
 __all__ = ["CopyPlan", "HostCopier", "IssueWorker", "Ticket"]
@@ -55,7 +58,8 @@ class CopyPlan:
         route: the path it takes and why.
         nbytes: bytes it moves over all its layers.
         keep: tensors the copy reads asynchronously: keep them alive until its event fired.
-        descriptors: copy-engine descriptors of its largest call (0 on the kernel path).
+        descriptors: copy-engine descriptors of its largest call (0 on the kernel path; on the
+            staged path, copy-engine calls plus kernel launches of its largest issue).
     """
 
     route: Route
@@ -79,9 +83,12 @@ class HostCopier:
     Args:
         dev: the device pool's buffers.
         host: the host pool's buffer (same buffers, layers and item size).
-        io_backend: "auto", "kernel" or "copy_engine" (see :func:`~kvtier.kernels.dispatch.select_route`).
+        io_backend: "auto", "kernel", "copy_engine" or "staged" (see
+            :func:`~kvtier.kernels.dispatch.select_route`).
         knobs: launch knobs of the kernel path.
         index_group: slots per item (1, or the KV page size for the DSA indexer's pages).
+        staging_bytes: the staged path's device ring (allocated on its first use).
+        staged_knobs: launch knobs of the staged path's gather and scatter.
     """
 
     def __init__(
@@ -92,12 +99,17 @@ class HostCopier:
         io_backend: str = "auto",
         knobs: TransferKnobs | None = None,
         index_group: int = 1,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        staged_knobs: TransferKnobs = STAGED_KNOBS,
     ) -> None:
         check_io_backend(io_backend)
-        if isinstance(index_group, bool) or not isinstance(index_group, int):
-            raise TypeError(f"index_group: expected an int, got {index_group!r}")
-        if index_group < 1:
-            raise ValueError(f"index_group must be >= 1, got {index_group!r}")
+        for name, v in (("index_group", index_group), ("staging_bytes", staging_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}: expected an int, got {v!r}")
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v!r}")
+        if not isinstance(staged_knobs, TransferKnobs):
+            raise TypeError(f"staged_knobs: expected TransferKnobs, got {staged_knobs!r}")
         if dev.item_bytes != host.item_bytes or dev.num_layers != host.num_layers:
             raise ValueError(
                 f"host: {host.num_layers} layers of {host.item_bytes} B items, the device pool "
@@ -107,6 +119,9 @@ class HostCopier:
         self.io_backend = io_backend
         self.knobs = knobs
         self.index_group = index_group
+        self.staging_bytes = staging_bytes
+        self.staged_knobs = staged_knobs
+        self._stager: Stager | None = None
         self.kernel_path = select_impl(dev.device)
         self.geometry = ChunkGeometry.of(dev, host)
         self.layout = host.layout.value if host.layout is not None else "strided"
@@ -116,8 +131,9 @@ class HostCopier:
 
     # -- routing ---------------------------------------------------------------------------
 
-    def route(self, *, d2h: bool, call_bytes: int) -> Route:
-        """The path a call of ``call_bytes`` bytes in this direction takes on the current stream."""
+    def route(self, *, d2h: bool, call_bytes: int, descriptors: int = 0) -> Route:
+        """The path a call of ``call_bytes`` bytes (``descriptors`` copy-engine descriptors, 0:
+        not weighed) in this direction takes on the current stream."""
         legacy = False
         if self.dev.device.type == "cuda" and not self.engine_reason:
             legacy = torch.cuda.current_stream(self.dev.device).cuda_stream == 0
@@ -130,6 +146,7 @@ class HostCopier:
             d2h=d2h,
             chunk_bytes=self.geometry.chunk_bytes,
             call_bytes=call_bytes,
+            descriptors=descriptors,
         )
 
     # -- planning ----------------------------------------------------------------------------
@@ -181,10 +198,35 @@ class HostCopier:
         dev, L = self.dev, self.dev.num_layers
         n_valid = int(np.count_nonzero((d_items >= 0) & (h_items >= 0)))
         layer_bytes = n_valid * dev.num_buffers * dev.item_bytes
-        route = self.route(d2h=d2h, call_bytes=layer_bytes if per_layer else layer_bytes * L)
-        if route.path == "copy_engine":
-            return self._plan_engine(route, d_items, h_items, d2h, per_layer)
-        return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L)
+        call_bytes = layer_bytes if per_layer else layer_bytes * L
+        route = self.route(d2h=d2h, call_bytes=call_bytes)
+        if route.path == self.kernel_path:
+            return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L)
+        d_pages, h_pages = self._pages(d_items), self._pages(h_items)
+        if route.path == "staged":
+            return self._plan_staged(route, d_pages, h_pages, d2h, per_layer)
+        desc = build_descriptors(
+            self.geometry,
+            d_pages,
+            h_pages,
+            d2h=d2h,
+            layers=range(L),
+            per_layer=per_layer,
+        )
+        if self.io_backend == "auto":
+            # Weigh what enqueueing this batch costs: its largest call's descriptors.
+            route = self.route(d2h=d2h, call_bytes=call_bytes, descriptors=_most(desc))
+            if route.path == "staged":
+                return self._plan_staged(route, d_pages, h_pages, d2h, per_layer)
+            if route.path != "copy_engine":
+                return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L)
+        return self._plan_engine(route, desc, d2h, per_layer)
+
+    def _pages(self, items: np.ndarray) -> np.ndarray:
+        """Page-aligned runs of P item slots → page ids (a run's first slot names its page)."""
+        P = self.host.page_size
+        first = items[::P]
+        return np.where(first >= 0, first // P, -1)
 
     def _plan_kernel(
         self, route: Route, d_items: np.ndarray, h_items: np.ndarray, d2h: bool, nbytes: int
@@ -202,21 +244,7 @@ class HostCopier:
 
         return CopyPlan(route, d2h, nbytes, [d, h], _issue=issue)
 
-    def _plan_engine(
-        self, route: Route, d_items: np.ndarray, h_items: np.ndarray, d2h: bool, per_layer: bool
-    ) -> CopyPlan:
-        P = self.host.page_size
-        # Page-aligned runs of P item slots: a run's first slot names its page.
-        d_pages = np.where(d_items[::P] >= 0, d_items[::P] // P, -1)
-        h_pages = np.where(h_items[::P] >= 0, h_items[::P] // P, -1)
-        desc = build_descriptors(
-            self.geometry,
-            d_pages,
-            h_pages,
-            d2h=d2h,
-            layers=range(self.dev.num_layers),
-            per_layer=per_layer,
-        )
+    def _plan_engine(self, route: Route, desc: Descriptors, d2h: bool, per_layer: bool) -> CopyPlan:
         # Contiguous arrays once per batch: the per-layer issue is then the call alone.
         groups = [_group(desc, g) for g in range(len(desc.offsets) - 1)]
         device, layout = self.dev.device, self.layout
@@ -230,8 +258,29 @@ class HostCopier:
             with nvtx_range(copy_range_name(d2h, "copy_engine", shown, layout, nbytes)):
                 memcpy_batch(dsts, srcs, sizes, _stream_handle(device))
 
-        most = int(np.diff(desc.offsets).max()) if len(desc.offsets) > 1 else 0
-        return CopyPlan(route, d2h, desc.nbytes, [], descriptors=most, _issue=issue)
+        return CopyPlan(route, d2h, desc.nbytes, [], descriptors=_most(desc), _issue=issue)
+
+    def stager(self) -> Stager:
+        """The staged path of this pair (its ring is allocated on first use)."""
+        if self._stager is None:
+            self._stager = Stager(
+                self.dev, self.host, staging_bytes=self.staging_bytes, knobs=self.staged_knobs
+            )
+        return self._stager
+
+    def _plan_staged(
+        self, route: Route, d_pages: np.ndarray, h_pages: np.ndarray, d2h: bool, per_layer: bool
+    ) -> CopyPlan:
+        sp = self.stager().plan(d_pages, h_pages, d2h=d2h, per_layer=per_layer)
+        return CopyPlan(route, d2h, sp.nbytes, sp.keep, descriptors=sp.calls, _issue=sp.issue)
+
+    def warmup(self) -> None:
+        """Compile the staged path's gather and scatter where this pair may take it (the
+        kernel path's variants are compiled by the pools' own warmup)."""
+        if self.engine_reason or self.io_backend in ("kernel", "copy_engine"):
+            return
+        if self.io_backend == "staged" or any(x.staged for x in CROSSOVERS.values()):
+            self.stager().warmup()
 
 
 def _check_runs(items: np.ndarray, name: str, limit: int, P: int, group: int) -> None:
@@ -254,6 +303,11 @@ def _check_runs(items: np.ndarray, name: str, limit: int, P: int, group: int) ->
             f"{name}: items{unit} {runs[row][:4].tolist()}... at page {row} are not one "
             f"page-aligned run of {P}"
         )
+
+
+def _most(desc: Descriptors) -> int:
+    """Descriptors of the largest call of a batch."""
+    return int(np.diff(desc.offsets).max()) if len(desc.offsets) > 1 else 0
 
 
 def _stream_handle(device: torch.device) -> int:

@@ -41,6 +41,7 @@ __all__ = [
     "batch_call_kind",
     "build_descriptors",
     "engine_support",
+    "memcpy_2d",
     "memcpy_batch",
 ]
 
@@ -264,6 +265,18 @@ class _BatchCall:
             )
 
 
+def _torch_cudart() -> tuple[Any, str]:
+    """torch's own ``libcudart`` through ctypes (already loaded by torch: dlopen finds it by its
+    soname), or None; and why not."""
+    major = int((torch.version.cuda or "0").split(".")[0])
+    if not major:
+        return None, "torch has no CUDA runtime"
+    try:
+        return ctypes.CDLL(f"libcudart.so.{major}"), ""
+    except OSError as e:
+        return None, f"no libcudart.so.{major} ({e})"
+
+
 def _direct_entry() -> tuple[Any, str]:
     """torch's ``cudaMemcpyBatchAsync`` through ctypes, or None; and which call is used."""
     if os.environ.get("KVTIER_COPY_ENGINE_DIRECT", "1") in ("0", "false", "False"):
@@ -271,12 +284,10 @@ def _direct_entry() -> tuple[Any, str]:
     major = int((torch.version.cuda or "0").split(".")[0])
     if major < 13:  # 12.8/12.9 have an extra failIdx argument: stay on cuda-bindings
         return None, f"cuda-bindings (torch's CUDA runtime is {torch.version.cuda})"
-    try:
-        # Already loaded by torch: dlopen finds it by its soname.
-        lib = ctypes.CDLL(f"libcudart.so.{major}")
-        fn = lib.cudaMemcpyBatchAsync
-    except (OSError, AttributeError) as e:
-        return None, f"cuda-bindings (no direct entry: {e})"
+    lib, why = _torch_cudart()
+    fn = getattr(lib, "cudaMemcpyBatchAsync", None) if lib is not None else None
+    if fn is None:
+        return None, f"cuda-bindings (no direct entry: {why or 'no cudaMemcpyBatchAsync'})"
     version = ctypes.c_int(0)
     if lib.cudaRuntimeGetVersion(ctypes.byref(version)) != 0 or version.value < 13000:
         return None, f"cuda-bindings (torch's CUDA runtime reports {version.value})"
@@ -310,3 +321,64 @@ def memcpy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: in
     if _CALL is None:
         _CALL = _BatchCall()
     _CALL(dst, src, sizes, stream)
+
+
+# cudaMemcpyDefault: the direction follows from the addresses (unified virtual addressing).
+_MEMCPY_DEFAULT = 4
+
+
+class _Copy2D:
+    """``cudaMemcpy2DAsync``: through torch's libcudart with ctypes where it loads (its signature
+    is the same in every CUDA release), else through cuda-bindings."""
+
+    def __init__(self) -> None:
+        lib, why = _torch_cudart()
+        self.rt = None
+        if lib is not None:
+            fn = lib.cudaMemcpy2DAsync
+            fn.restype = ctypes.c_int
+            sz, vp = ctypes.c_size_t, ctypes.c_void_p
+            fn.argtypes = [vp, sz, vp, sz, sz, sz, ctypes.c_int, vp]
+            self.fn, self.how = fn, "ctypes"
+        else:
+            self.fn, self.how = None, f"cuda-bindings ({why})"
+            self.rt = _import_cudart()
+
+    def __call__(
+        self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
+    ) -> None:
+        if self.fn is not None:
+            out: object = self.fn(dst, dpitch, src, spitch, width, height, _MEMCPY_DEFAULT, stream)
+            err = int(out)
+        else:
+            rt = self.rt
+            out = rt.cudaMemcpy2DAsync(
+                dst,
+                dpitch,
+                src,
+                spitch,
+                width,
+                height,
+                rt.cudaMemcpyKind.cudaMemcpyDefault,
+                rt.cudaStream_t(stream),
+            )
+            err = int(out[0] if isinstance(out, tuple) else out)
+        if err != 0:
+            raise RuntimeError(
+                f"cudaMemcpy2DAsync of {height} rows of {width} B (pitches {spitch} -> {dpitch}, "
+                f"{self.how}) failed with error {err}"
+            )
+
+
+_CALL_2D: _Copy2D | None = None
+
+
+def memcpy_2d(
+    dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int
+) -> None:
+    """Enqueue one 2-D copy on ``stream``: ``height`` rows of ``width`` bytes, rows ``spitch``
+    bytes apart at ``src`` and ``dpitch`` bytes apart at ``dst`` (addresses as ints)."""
+    global _CALL_2D
+    if _CALL_2D is None:
+        _CALL_2D = _Copy2D()
+    _CALL_2D(dst, dpitch, src, spitch, width, height, stream)

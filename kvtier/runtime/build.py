@@ -299,4 +299,6 @@ def _anchor_binding(
         )
         for hp, layers, group in pairs
     )
+    for bc in copiers:  # the staged path's gather and scatter compile here, not on a request
+        bc.copier.warmup()
     return PoolBinding(name, backup, load, own + per_page // P, len(host_layers), copiers)

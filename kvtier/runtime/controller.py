@@ -217,12 +217,13 @@ class CacheController:
         return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
     def _offload(self, plans: list[CopyPlan]) -> bool:
-        """Whether a batch is enqueued by the worker: it has copy-engine plans (whose enqueue
-        costs the CPU about 1 µs per descriptor) and the worker is on."""
+        """Whether a batch is enqueued by the worker: it has copy-engine or staged plans (whose
+        enqueue costs the CPU about 1 µs per descriptor, plus the staged path's launches) and
+        the worker is on."""
         return (
             self._worker is not None
             and self.offload_enqueue
-            and any(p.route.path == "copy_engine" for p in plans)
+            and any(p.route.path in ("copy_engine", "staged") for p in plans)
         )
 
     # -- backup (D→H) ------------------------------------------------------------------------

@@ -135,7 +135,7 @@ def test_crossovers_keep_p1_and_tiny_calls_on_the_kernel():
 
 
 @pytest.mark.parametrize(
-    "value, exc", [("fast", ValueError), ("staged", ValueError), (1, TypeError), (None, TypeError)]
+    "value, exc", [("fast", ValueError), ("Staged", ValueError), (1, TypeError), (None, TypeError)]
 )
 def test_io_backend_refused(value, exc):
     with pytest.raises(exc, match="io_backend"):

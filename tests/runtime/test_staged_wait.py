@@ -1,0 +1,86 @@
+"""``wait_layer(i)`` is exact on the staged path on the GPU: it returns only once layer ``i``'s
+scatter out of the ring has finished. The loaded device slots are poisoned first, and each
+layer is compared right after its wait, on the waiting stream, while later layers may still be
+in flight. Skipped without a GPU or a copy engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.kernels.copy_engine import engine_support
+from kvtier.runtime.cache import TieredKVCache
+from kvtier.runtime.config import CacheConfig
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a GPU", allow_module_level=True)
+_SUPPORT = engine_support(torch.device("cuda"))
+if not _SUPPORT.ok:
+    pytest.skip(f"no copy engine: {_SUPPORT.reason}", allow_module_level=True)
+
+L, P, N = 16, 16, 8192  # a 512 MiB load through a 16 MiB ring: many chunks per layer
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_staged_wait_layer_is_exact(layout):
+    cache = TieredKVCache(
+        CacheConfig(
+            layer_kinds=("full",) * L,
+            kv_heads=8,
+            head_dim=128,
+            page_size=P,
+            device_tokens=2 * N,
+            host_ratio=2.0,
+            host_layout=layout,
+            io_backend="staged",
+            device="cuda",
+        )
+    )
+    pool = cache.full_pool
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, 1000, (N + 1,)).tolist()
+
+    req = cache.match(tokens)
+    cache.reserve(req, N + 1)
+    cache.begin_step(req, N)
+    slots = req.kv_slots[:N].cuda()
+    written = []
+    for layer in range(L):
+        k = torch.randn(N, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+        v = torch.randn(N, 8, 128, device="cuda", generator=gen).to(torch.bfloat16)
+        pool.k(layer)[slots], pool.v(layer)[slots] = k, v
+        written.append((k, v))
+    cache.computed(req, N)
+    req.token_ids = tokens[:N]
+    cache.cache_finished_req(req)
+    cache.drain()
+    cache.evict(cache.config.device_tokens)
+
+    again = cache.match(tokens)
+    assert again.host_hit >= N - P, again
+    lo, hi = again.device_hit, again.cached_len
+    dst = again.kv_slots[lo:hi].cuda()
+    for layer in range(L):  # poison what the load will write
+        pool.k(layer)[dst] = torch.full_like(pool.k(layer)[dst], float("nan"))
+        pool.v(layer)[dst] = torch.full_like(pool.v(layer)[dst], -7.0)
+    cache.reserve(again, N + 1)
+    cache.start_loading()
+    op = cache.controller._loads[-1]
+    in_flight_at_first_check = None
+    for layer in range(L):
+        cache.wait_layer(layer, [again])
+        if in_flight_at_first_check is None:
+            in_flight_at_first_check = not op.enqueued() or not op.layer_events[-1].query()
+        k, v = written[layer]
+        got_k, got_v = pool.k(layer)[dst], pool.v(layer)[dst]
+        assert torch.equal(got_k.view(torch.int16), k[lo:hi].view(torch.int16)), layer
+        assert torch.equal(got_v.view(torch.int16), v[lo:hi].view(torch.int16)), layer
+    cache.drain()
+    cache.check_integrity()
+    st = cache.controller.stats
+    assert st.paths.get("h2d.staged", 0) >= 1 and st.paths.get("d2h.staged", 0) >= 1, st.paths
+    print(
+        f"{layout}/staged: last layer still loading at the first check: "
+        f"{in_flight_at_first_check}; paths {st.paths}"
+    )
