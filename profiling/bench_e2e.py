@@ -70,7 +70,16 @@ class LlamaShaped:
         start: int,
         slots: torch.Tensor,
         wait: bool,
+        trace: list | None = None,
     ) -> torch.Tensor:
+        """``trace``: when a list, gets (begin event, [(after-wait, end) events per layer], CPU
+        seconds spent issuing the forward) — where the GPU waited for loads, and whether the
+        CPU kept ahead of it."""
+        t_cpu = time.perf_counter()
+        marks = []
+        if trace is not None:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
         n = tokens.numel()
         end = start + n
         x = self.embed[tokens]
@@ -82,6 +91,11 @@ class LlamaShaped:
         for layer in range(self.layers):
             if wait:
                 cache.wait_layer(layer)
+            if trace is not None:
+                marks.append(
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                )
+                marks[-1][0].record()
             h = F.rms_norm(x, (HIDDEN,))
             qkv = h @ self.wqkv[layer]
             q, k, v = qkv.split([QH * HD, KVH * HD, KVH * HD], dim=-1)
@@ -98,7 +112,46 @@ class LlamaShaped:
             h = F.rms_norm(x, (HIDDEN,))
             a, b = (h @ self.w13[layer]).chunk(2, dim=-1)
             x = x + (F.silu(a) * b) @ self.w2[layer]
-        return F.rms_norm(x[-1:], (HIDDEN,)) @ self.lm_head
+            if trace is not None:
+                marks[-1][1].record()
+        out = F.rms_norm(x[-1:], (HIDDEN,)) @ self.lm_head
+        if trace is not None:
+            trace.append((begin, marks, time.perf_counter() - t_cpu))
+        return out
+
+
+def layer_trace(args, cache, run, host_only) -> None:
+    """One traced run each of overlapped and compute-only (prefix on device): per layer, the
+    GPU's wait before the layer (for its load, or for the CPU to issue it) and its compute."""
+    for mode in ("overlap", "compute"):
+        host_only()
+        if mode == "compute":
+            warm = run("transfer")
+            cache.cache_finished_req(warm)
+            cache.drain()
+        sync()
+        trace: list = []
+        t0 = time.perf_counter()
+        req = run("overlap", trace)
+        sync()
+        wall = time.perf_counter() - t0
+        begin, marks, cpu_s = trace[0]
+        waits, comps, prev = [], [], begin
+        for a, b in marks:
+            waits.append(prev.elapsed_time(a))
+            comps.append(a.elapsed_time(b))
+            prev = b
+        print(
+            f"layer-trace {mode:8s}: wall {wall * 1e3:7.2f} ms, CPU issuing the forward "
+            f"{cpu_s * 1e3:6.2f} ms, GPU waits before layers {sum(waits):6.2f} ms "
+            f"(layer 0: {waits[0]:.2f}, max {max(waits):.2f}), layer compute {sum(comps):6.2f} ms "
+            f"(median {median(comps):.3f}, max {max(comps):.3f})",
+            flush=True,
+        )
+        print(f"  waits per layer ms: {' '.join(f'{w:.2f}' for w in waits)}", flush=True)
+        req.token_ids = req.token_ids[: req.computed_len]
+        cache.cache_finished_req(req)
+        cache.drain()
 
 
 def main() -> None:
@@ -117,6 +170,11 @@ def main() -> None:
         default="page_first",
         choices=("layer_first", "page_first", "page_first_direct"),
         help="host pool layout (the copy engine serves layer_first and page_first_direct)",
+    )
+    ap.add_argument(
+        "--layer-trace",
+        action="store_true",
+        help="also print, for overlapped and compute-only runs, where the GPU waited per layer",
     )
     ap.add_argument(
         "--io-backend",
@@ -176,7 +234,7 @@ def main() -> None:
             cache.wait_layer(layer, [req])
         sync()
 
-    def run(mode: str):
+    def run(mode: str, trace: list | None = None):
         req = cache.match(prompt.tolist())
         slots = cache.reserve(req, args.prompt).to(dev)
         start = req.cached_len
@@ -187,7 +245,9 @@ def main() -> None:
             if cache.start_loading() and mode == "load_first":
                 wait_all(req)
             with torch.no_grad():
-                model.forward(cache, prompt_dev[start:], start, slots, wait=mode == "overlap")
+                model.forward(
+                    cache, prompt_dev[start:], start, slots, wait=mode == "overlap", trace=trace
+                )
         # Only the prefix goes back into the tree, so every run starts from the same 7K hit.
         cache.computed(req, start)
         return req
@@ -221,6 +281,9 @@ def main() -> None:
             f"{mode:10s} median {median(samples) * 1e3:8.2f} ms  hits(device, host)={hits[mode]}",
             flush=True,
         )
+
+    if args.layer_trace and dev.type == "cuda":
+        layer_trace(args, cache, run, host_only)
 
     fresh = [0]
 
