@@ -352,23 +352,26 @@ class CacheController:
                 copiers = self.bindings[pool].copiers
                 if copiers:
                     plans[pool] = [
-                        (c, c.copier.plan(d, h, d2h=False, per_layer=True, check=False))
+                        (c, c.copier.plan(d, h, d2h=False, per_layer=True, check=False, lead=True))
                         for c in copiers
                     ]
                 else:
                     idx[pool] = (self._to_device(d), self._to_device(h))
             stream = self.load_stream
 
-            def enqueue(ticket: Ticket | None = None) -> None:
+            def enqueue(ticket: Ticket | None = None, first: int = 0, stop: int | None = None):
+                steps = list(zip(self.layer_map, events))[first:stop]
                 with self._on(stream):
-                    if start is not None:
+                    if start is not None and first == 0:
                         start.record()
-                    for (pool, layer), ev in zip(self.layer_map, events):
+                    for i, ((pool, layer), ev) in enumerate(steps, first):
                         with nvtx_range(f"kvtier.load layer{layer} {pool}"):
                             for c, p in plans.get(pool, ()):
                                 own = layer if c.layers is None else c.layers.get(layer)
                                 if own is not None:
-                                    p.issue(own)
+                                    # The first step through the kernel where the plan has a
+                                    # lead (see HostCopier.plan): the forward pass waits on it.
+                                    (p.lead if i == 0 and p.lead is not None else p).issue(own)
                             if pool in idx:
                                 d, h = idx[pool]
                                 self.bindings[pool].load(h, d, layer)
@@ -379,8 +382,12 @@ class CacheController:
 
             all_plans = [p for pool_plans in plans.values() for _, p in pool_plans]
             ticket = None
-            if self._offload(all_plans):
-                ticket = self._worker.submit(enqueue, len(self.layer_map))
+            if self._offload(all_plans) and self.layer_map:
+                # Step 0 here, at once; the worker enqueues the rest while the forward starts.
+                enqueue(first=0, stop=1)
+                ticket = self._worker.submit(
+                    lambda t: enqueue(t, first=1), len(self.layer_map), done=1
+                )
             else:
                 enqueue()
         keep = [t for pair in idx.values() for t in pair]
@@ -388,6 +395,8 @@ class CacheController:
             for _, p in pool_plans:
                 keep += p.keep
                 self.stats.count_plan(p)
+                if p.lead is not None:
+                    self.stats.count_plan(p.lead)
         self.stats.loads += len(loads)
         self.stats.h2d_bytes += nbytes
         if not self.cuda:

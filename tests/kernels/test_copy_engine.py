@@ -348,6 +348,37 @@ def test_copier_engine_route(emulated_engine, kind, layout):
         plan.issue()
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_copier_lead_layer_goes_through_the_kernel(emulated_engine, layout):
+    """A per-layer load planned with ``lead=True`` carries a kernel plan of the same copy: the
+    first layer a load issues goes through it (no batch call), the others through the engine,
+    and the bytes equal the reference. Backups and whole-copy plans get no lead."""
+    P = 16
+    dev, host, gen = _setup("mha", layout, P, seed=12)
+    c = HostCopier(dev, host, io_backend="copy_engine")
+    d_slots = pages_to_slots(pick_pages(DEV_PAGES, 3, gen), P)
+    h_slots = pages_to_slots(pick_pages(HOST_PAGES, 3, gen), P)
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    ref_copy_kv(ref_dev, ref_host, d_slots, h_slots, d2h=False, layer=None)
+    plan = c.plan(d_slots, h_slots, d2h=False, per_layer=True, lead=True)
+    assert plan.route.path == "copy_engine" and plan.lead is not None
+    assert plan.lead.route.reason is RouteReason.LEAD_LAYER
+    assert plan.lead.route.path == c.kernel_path
+    assert all(any(t is k for k in plan.keep) for t in plan.lead.keep)  # kept alive with it
+    before = [as_bytes(t).clone() for buf in dev.layers for t in buf]
+    assert plan.lead.issue(1) == c.kernel_path
+    after = [as_bytes(t) for buf in dev.layers for t in buf]
+    changed = {i % L for i, (x, y) in enumerate(zip(before, after)) if not torch.equal(x, y)}
+    assert changed == {1} and emulated_engine == []
+    for layer in (0, 2):
+        plan.issue(layer)
+    assert len(emulated_engine) == 2
+    assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), "device after the load")
+    assert c.plan(d_slots, h_slots, d2h=True, per_layer=True, lead=True).lead is None
+    assert c.plan(d_slots, h_slots, d2h=False, per_layer=False, lead=True).lead is None
+    assert c.plan(d_slots, h_slots, d2h=False, per_layer=True).lead is None
+
+
 def test_copier_index_group(emulated_engine):
     """Sidecar pools (the DSA indexer) hold one item per KV page: slot run s is item s // G."""
     G = 4

@@ -13,6 +13,7 @@ import torch
 from kvtier.kernels import copier as copier_mod
 from kvtier.kernels.copier import IssueWorker
 from kvtier.kernels.copy_engine import EngineSupport
+from kvtier.kernels.dispatch import RouteReason
 from tests.runtime.synthetic import MODELS, make_cache, run_turn
 
 
@@ -70,14 +71,18 @@ def test_engine_route_end_to_end(monkeypatch, layout, worker):
         cache.controller._worker = IssueWorker()
     _turns(cache)  # run_turn checks every cached position against a cold computation
     st = cache.controller.stats
+    # Every copy-engine load plan has a kernel lead for the first layer a load issues.
+    lead = RouteReason.LEAD_LAYER.value
+    assert st.route_reasons[lead] == st.paths["h2d.copy_engine"], st.route_reasons
     if layout == "page_first":
         # The two full layers interleave inside a host page: the kernel moves them. The one
         # SWA layer has nothing to interleave with: its pages are contiguous.
-        assert set(st.route_reasons) == {"fallback_not_contiguous", "io_backend_copy_engine"}
+        assert set(st.route_reasons) == {"fallback_not_contiguous", "io_backend_copy_engine", lead}
         assert calls
     else:
-        assert set(st.paths) == {"d2h.copy_engine", "h2d.copy_engine"}
-        assert set(st.route_reasons) == {"io_backend_copy_engine"}
-        # a load issues one batch per pool layer that holds bytes to move
-        assert len(calls) >= st.paths["d2h.copy_engine"] + st.paths["h2d.copy_engine"]
+        leads = set(st.paths) - {"d2h.copy_engine", "h2d.copy_engine"}
+        assert leads and leads <= {"h2d.interpreter", "h2d.torch", "h2d.triton"}, st.paths
+        assert set(st.route_reasons) == {"io_backend_copy_engine", lead}
+        # a load issues one batch per pool layer that holds bytes to move, less its lead layer
+        assert len(calls) >= st.paths["d2h.copy_engine"]
     assert threads == ({"kvtier-issue"} if worker else {threading.main_thread().name})
