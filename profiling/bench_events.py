@@ -7,16 +7,18 @@ steps, interleaved: a new 128-token request (8 pages: match, reserve, computed, 
 up at once), the eviction that makes room for it (device pages demoted, host pages dropped), and
 ``poll()`` (which acknowledges the backup and, with events, queues the step's batch for the
 publisher thread). Between steps, untimed, the publisher thread is let run until it has sent the
-batch (``drain``): in an engine it runs while the GPU computes the next step; with
-``--no-drain`` it competes with the steps for the GIL instead (its 5 ms wake-ups included).
+batch (``drain``): in an engine it runs while the GPU computes the next step; in the last row
+(``concurrent``) it competes with the steps for the GIL instead (its 5 ms wake-ups included).
 Reported:
 
 - the step's median time with and without events, and ``poll()``'s median without events;
 - the events' own time per step on the scheduler thread, measured inside the sink (every hook
   and the flush, timed directly: an A/B difference of whole steps is too noisy for
-  microseconds), of which page hashing done there;
+  microseconds), raw (the timer's own share counted in) and net of the timer's share measured
+  on an empty hook, of which page hashing done there;
 - the publisher thread's CPU time per step (resolve against the mirror, hash what the hooks
-  deferred, build, encode, send): off the scheduler thread, but CPU all the same;
+  deferred, build, encode, send), of which page hashing: off the scheduler thread, but CPU all
+  the same, and under the GIL;
 - an idle step: ``poll()`` with nothing to report, with and without events.
 
 Throughput: the publisher thread (resolve the hooks' records against the mirror, build, encode,
@@ -34,6 +36,7 @@ import json
 import os
 import random
 import statistics
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -41,7 +44,9 @@ from collections import defaultdict
 import torch
 
 from kvtier.events import EventsConfig, Indexer
-from kvtier.events.sink import _STORED, EventSink
+from kvtier.events import nodes as nodes_module
+from kvtier.events.mirror import STORED
+from kvtier.events.sink import EventSink
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig, KVTierConfigWarning
 from profiling.common import environment, header_lines
@@ -91,15 +96,18 @@ def request(cache: TieredKVCache, tokens: list[int]) -> None:
 
 
 class HookClock:
-    """Wraps every sink hook and the flush with a timer (its own overhead, ~0.1 µs a call, is
-    counted in: the figure is an upper bound)."""
+    """Wraps every sink hook and the flush with a timer. The timer's own share of each call
+    (``bias_us``: an empty hook timed the same way, warm) is counted in ``total``: the raw figure
+    is an upper bound, the figure net of ``calls * bias_us`` an estimate."""
 
     def __init__(self, sink: EventSink) -> None:
         self.total = 0.0
+        self.calls = 0
         self.hashing = 0.0  # inside the hooks: computing page hashes (L3 would anyway)
         for name in HOOKS:
             setattr(sink, name, self._timed(getattr(sink, name)))
-        hashes = sink._hashes
+        nodes = sink.nodes
+        hashes = nodes.hashes
 
         def timed_hashes(node):
             if node.page_hashes is not None:
@@ -110,9 +118,10 @@ class HookClock:
             finally:
                 self.hashing += time.perf_counter() - t0
 
-        sink._hashes = timed_hashes
+        nodes.hashes = timed_hashes
         self.thread = 0.0  # the publisher thread's CPU time (build, encode, send)
-        send = sink._send_batch
+        thread = sink.thread
+        send = thread.send_batch
 
         def timed_send(*a):
             t0 = time.thread_time()
@@ -121,10 +130,38 @@ class HookClock:
             finally:
                 self.thread += time.thread_time() - t0
 
-        sink._send_batch = timed_send
+        thread.send_batch = timed_send
+        # Deferred page hashing on the publisher thread (the scheduler thread's is timed above).
+        self.thread_hashing = 0.0
+        chain = self._chain = nodes_module.chain_hashes
+        ident = thread._thread.ident
+
+        def timed_chain(*a):
+            if threading.get_ident() != ident:
+                return chain(*a)
+            t0 = time.thread_time()
+            try:
+                return chain(*a)
+            finally:
+                self.thread_hashing += time.thread_time() - t0
+
+        nodes_module.chain_hashes = timed_chain
+        self.bias_us = self._bias_us()
+
+    def close(self) -> None:
+        nodes_module.chain_hashes = self._chain
+
+    def _bias_us(self, n: int = 20000) -> float:
+        probe = HookClock.__new__(HookClock)
+        probe.total, probe.calls = 0.0, 0
+        empty = probe._timed(lambda *a: None)
+        for _ in range(n):
+            empty(None)
+        return 1e6 * probe.total / n
 
     def _timed(self, fn):
         def timed(*a, **kw):
+            self.calls += 1
             t0 = time.perf_counter()
             try:
                 return fn(*a, **kw)
@@ -149,14 +186,16 @@ def step_rows(pages: int, steps: int, seed: int, drain: bool = True) -> dict:
     clock = HookClock(evented.events)
     t: dict[str, list[float]] = defaultdict(list)
     ev_us: list[float] = []
+    net_us: list[float] = []
     hash_us: list[float] = []
     thread_us: list[float] = []
+    thread_hash_us: list[float] = []
     for i in range(steps):
         tokens = [rnd.randrange(32000) for _ in range(REQ_TOKENS)]
         order = (plain, evented) if i % 2 else (evented, plain)
         for c in order:
             name = "events" if c is evented else "plain"
-            before, hashed = clock.total, clock.hashing
+            before, hashed, calls = clock.total, clock.hashing, clock.calls
             t0 = time.perf_counter()
             request(c, tokens)
             t1 = time.perf_counter()
@@ -166,13 +205,15 @@ def step_rows(pages: int, steps: int, seed: int, drain: bool = True) -> dict:
             t[f"poll.{name}"].append(t2 - t1)
             if c is evented:
                 ev_us.append((clock.total - before) * 1e6)
+                net_us.append(ev_us[-1] - (clock.calls - calls) * clock.bias_us)
                 hash_us.append((clock.hashing - hashed) * 1e6)
                 # Untimed: the publisher thread sends the batch between steps, as it would
                 # while the GPU runs the model (its CPU time is reported on its own).
-                on_thread = clock.thread
+                on_thread, on_thread_hash = clock.thread, clock.thread_hashing
                 if drain:
                     c.events.drain()
                     thread_us.append((clock.thread - on_thread) * 1e6)
+                    thread_hash_us.append((clock.thread_hashing - on_thread_hash) * 1e6)
     idle: dict[str, list[float]] = defaultdict(list)
     for _ in range(2000):
         for name, c in (("plain", plain), ("events", evented)):
@@ -182,7 +223,8 @@ def step_rows(pages: int, steps: int, seed: int, drain: bool = True) -> dict:
     sink = evented.events
     if not drain:  # the thread's CPU over every step (it sends several steps per wake-up)
         sink.drain()
-        thread_total = clock.thread
+        thread_total, thread_hash_total = clock.thread, clock.thread_hashing
+    clock.close()
     row = {
         "pages_device": len(sink.held("GPU")),
         "pages_host": len(sink.held("CPU")),
@@ -193,6 +235,8 @@ def step_rows(pages: int, steps: int, seed: int, drain: bool = True) -> dict:
         "poll_us_events": 1e6 * statistics.median(t["poll.events"]),
         "events_us_per_step": statistics.median(ev_us),
         "events_us_per_step_p90": sorted(ev_us)[int(0.9 * len(ev_us))],
+        "events_us_per_step_net": statistics.median(net_us),
+        "timer_bias_us_per_call": clock.bias_us,
         "idle_poll_us_plain": 1e6 * statistics.median(idle["plain"]),
         "idle_poll_us_events": 1e6 * statistics.median(idle["events"]),
         "events_per_step": sink.counters["events"] / max(1, sink.counters["batches"]),
@@ -200,12 +244,16 @@ def step_rows(pages: int, steps: int, seed: int, drain: bool = True) -> dict:
         "events_us_best_block": _best_block(ev_us),
         "hashing_us_per_step": statistics.median(hash_us),
         "thread_us_per_step": statistics.median(thread_us) if thread_us else float("nan"),
+        "thread_hashing_us_per_step": (
+            statistics.median(thread_hash_us) if thread_hash_us else float("nan")
+        ),
         "drained": drain,
         "poll_us_plain_best_block": _best_block([1e6 * x for x in t["poll.plain"]]),
         "step_us_plain_best_block": _best_block([1e6 * x for x in t["step.plain"]]),
     }
     if not drain:
         row["thread_us_per_step"] = 1e6 * thread_total / steps
+        row["thread_hashing_us_per_step"] = 1e6 * thread_hash_total / steps
     gc.unfreeze()
     for c in (plain, evented):
         c.close()
@@ -248,7 +296,7 @@ def throughput(batches: int, seed: int) -> dict:
         for _ in range(per_batch):  # one node of 4 fresh pages under the root
             hashes = [rnd.randbytes(32).hex() for _ in range(pages_per_event)]
             key = [rnd.randrange(32000) for _ in range(pages_per_event * P)]
-            batch.append((_STORED, "GPU", [(hashes, 0, None, key, None)]))
+            batch.append((STORED, "GPU", [(hashes, 0, None, key, None)]))
         ops.append(batch)
     t0 = time.perf_counter()
     for batch in ops:
@@ -292,18 +340,22 @@ def report(info: dict, rows: list[dict], tp: dict) -> str:
         "Steady-state step: a new 128-token request (8 pages) inserted and backed up, the "
         "eviction making room for it, then `poll()`; two caches alike, with and without events, "
         "steps interleaved. Events' own time = every sink hook + the flush on the scheduler "
-        "thread, timed inside the sink. Publisher thread = its CPU time per step (resolve, "
+        "thread, timed inside the sink (raw: the timer's own share counted in, an upper bound; "
+        "net: less that share, measured on an empty hook timed the same way: "
+        f"{rows[0]['timer_bias_us_per_call']:.2f} µs a call). "
+        "Publisher thread = its CPU time per step (resolve, "
         "deferred hashing, build, encode, send), off the scheduler thread. Between steps: "
         "`drained` = the publisher thread ran between steps (untimed; in an engine, while the "
         "GPU computes), `concurrent` = it competed with the steps for the GIL.",
         "",
         "| cached pages (device / host) | between steps | events per step "
         "| step µs without / with events "
-        "| poll() µs without / with | events' own µs per step: median, p90, quietest 25 steps | "
-        "of which page hashing (median) "
-        "| events' own / poll() without (quietest blocks) | publisher thread CPU µs per step "
+        "| poll() µs without / with | events' own µs per step, raw: median, p90, quietest 25 "
+        "steps | net median | of which page hashing (median) "
+        "| events' own raw / poll() without (quietest blocks) "
+        "| publisher thread CPU µs per step (of which page hashing) "
         "| idle poll() µs without / with |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         frac = r["events_us_best_block"] / r["poll_us_plain_best_block"]
@@ -314,9 +366,11 @@ def report(info: dict, rows: list[dict], tp: dict) -> str:
             f"| {r['step_us_plain']:.0f} / {r['step_us_events']:.0f} "
             f"| {r['poll_us_plain']:.1f} / {r['poll_us_events']:.1f} "
             f"| {r['events_us_per_step']:.1f}, {r['events_us_per_step_p90']:.1f}, "
-            f"{r['events_us_best_block']:.1f} | {r['hashing_us_per_step']:.1f} "
+            f"{r['events_us_best_block']:.1f} | {r['events_us_per_step_net']:.1f} "
+            f"| {r['hashing_us_per_step']:.1f} "
             f"| {r['events_us_best_block']:.1f} / {r['poll_us_plain_best_block']:.1f} "
             f"= {100 * frac:.0f}% | {r['thread_us_per_step']:.1f} "
+            f"({r['thread_hashing_us_per_step']:.1f}) "
             f"| {r['idle_poll_us_plain']:.1f} / {r['idle_poll_us_events']:.1f} |"
         )
     lines += [

@@ -13,101 +13,58 @@ writer's ``events`` are None when events are off, and each hook is guarded by th
     host_removed         tree.clear_host (FULL)               host slots freed
     storage_stored       the L3 writer thread                 the store acknowledged the write
 
-Hooks only record the pages: their hashes where the tree or the L3 tier already has them
-(``node.page_hashes``), else a ``_Lazy`` that the publisher thread computes (the next flushes
-store it in the node, for the tree, L3 and later hooks). ``flush`` (from ``poll``) only gives
-the step's records the next sequence number and appends them to the publisher thread's queue.
-The thread (woken every ``PUBLISH_INTERVAL_S``) resolves them against a mirror of what each
-medium holds as published (a page stored twice, or removed where it was not, publishes nothing),
-builds the wire structs, encodes and sends; the step's cost is collecting facts.
+The work is split three ways:
+
+- the hooks and ``flush`` (here, on the scheduler thread) only record facts: a node's pages as
+  chunks (``NodeHashes``: hashes reused from the nodes, or deferred as a ``Lazy``), appended to
+  one flat list per step; ``flush`` (from ``poll``) gives the step's list the next sequence
+  number and appends it to the publisher thread's queue. Hashes the thread computed go into
+  their nodes every ``WRITE_BACK_AT`` owed, and at once for an acknowledged backup (the L3 tier
+  hashes its nodes next);
+- the ``PublisherThread`` resolves each batch against the ``Mirror`` of what each medium holds as
+  published (a page stored twice, or removed where it was not, publishes nothing), builds the
+  wire structs straight from it, encodes and sends, and answers snapshot requests;
+- the ``Mirror`` is the state subscribers know, and what snapshots are made of.
 
 The queue is bounded (``EventsConfig.queue_batches``). When it is full the batch is dropped and
 counted (``dropped_batches``): its number is spent, its facts still reach the mirror (ahead of
 the next batch queued), and a subscriber sees the gap and recovers from a snapshot. The
-scheduler never waits. The thread owns both sockets and the mirror, and answers a snapshot
-request between two batches: the reply holds the mirror after batch N, labelled N.
+scheduler never waits.
 
-Events report FULL (KV) pages only: a hybrid model's SWA window and Mamba state are not
-reported, so a router's hit length is an upper bound there. Storage reports what this instance
-wrote; pages a shared store evicts, or that other instances wrote, are not reported.
+Events report FULL pages only: a hybrid model's SWA window and Mamba state are not reported, so
+a router's hit length is an upper bound there. A page is on storage once every pool holding a
+FULL page's bytes was written for it (the KV pool and FULL-anchored sidecars). Storage reports
+what this instance wrote; pages a shared store evicts, or that other instances wrote, are not.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import socket
-import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import msgspec
-import zmq
 
 from kvtier.events import wire
-from kvtier.events.config import MEDIA, MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_STORAGE, EventsConfig
-from kvtier.events.keys import KeySeed, chain_hashes
+from kvtier.events.config import MEDIA, MEDIUM_DEVICE, MEDIUM_HOST, EventsConfig
+from kvtier.events.keys import KeySeed
+from kvtier.events.mirror import CLEARED, REMOVED, STORED, Mirror
+from kvtier.events.nodes import Lazy, NodeHashes, chunk_hashes
 from kvtier.events.publisher import Publisher
+from kvtier.events.thread import BATCH, JOIN_S, PublisherThread
 from kvtier.storage.keys import canonical_namespace, page_hashes
 
 __all__ = ["EventSink"]
 
 log = logging.getLogger(__name__)
 
-_STORED, _REMOVED, _CLEARED = 0, 1, 2
-# How often the publisher thread wakes to send what is queued and to look for snapshot
-# requests: a batch leaves at most this long after its step. Waking it on every step instead
-# costs the scheduler a system call and a GIL hand-over per step, more than the rest of it.
-PUBLISH_INTERVAL_S = 0.005
-JOIN_S = 5.0  # how long close() waits for the publisher thread
-MAX_LAZY = 4096  # nodes whose hashes wait for the publisher thread (beyond: hashed at once)
 # Computed hashes go into their nodes once this many are owed, not every step: until then a
-# hook finds them through ``_lazy`` (and the L3 tier, which needs them at once, hashes itself).
+# hook finds them through ``NodeHashes.lazy`` (and the L3 tier, which needs them at once,
+# hashes itself).
 WRITE_BACK_AT = 64
-_BATCH, _MARK, _STOP = range(3)
-_STORED_PAGES = {m: f"stored_pages.{m}" for m in MEDIA}
-_REMOVED_PAGES = {m: f"removed_pages.{m}" for m in MEDIA}
-
-
-# A page as a stored event describes it, kept while some medium holds it: the registry maps its
-# hash to its chunk ``(hashes, first, hash before the node, node key, namespace)`` (see
-# ``_chunks``), shared by all the chunk's pages, so recording a node is a few C-level bulk
-# operations, not Python work per page; the page's place in the chunk is looked up only where
-# its parent or tokens are needed (storage events, snapshots). Node keys and hash lists are
-# replaced on a split, never changed in place, so a chunk stays valid.
-
-
-class _Lazy:
-    """The page hashes of one node's key, computed when first needed: on the publisher thread
-    as it resolves a step's records, or on the scheduler thread if a hook needs them sooner.
-    ``prev`` is the hash before the key (hex), or the parent's ``_Lazy``. Both threads may
-    compute it at once: they get equal lists, and either is right."""
-
-    __slots__ = ("hashes", "key", "ns", "prev", "seed")
-
-    def __init__(self, key, ns: Hashable, prev: str | _Lazy, seed: KeySeed) -> None:
-        self.key, self.ns, self.prev, self.seed = key, ns, prev, seed
-        self.hashes: list[str] | None = None
-
-    def get(self) -> list[str]:
-        hashes = self.hashes
-        if hashes is None:
-            prev = self.prev
-            if prev.__class__ is _Lazy:
-                prev = prev.get()[-1]
-            seed = self.seed
-            hashes = self.hashes = chain_hashes(self.key, seed.namespace(self.ns), prev)
-        return hashes
-
-
-def _page_info(h: str, chunk: tuple, P: int, i: int | None = None) -> tuple:
-    """``(parent hash, token ids, namespace)`` of page ``h`` of ``chunk`` (at ``i`` if known)."""
-    hashes, first, up, key, ns = chunk
-    if i is None:
-        i = hashes.index(h, first)
-    return (hashes[i - 1] if i else up), key[i * P : (i + 1) * P], ns
 
 
 class EventSink:
@@ -120,6 +77,8 @@ class EventSink:
         rates: returns ``(h2d_gbps, storage_gbps)`` now (0 when unknown).
         prefill_tokens_per_s: reported to routers; None: unknown.
         publisher: sockets to use instead of binding ``config``'s (tests).
+        storage_pools: the L3 pools that hold a FULL page's bytes (``L3Tier.kv_group``): a page
+            is on storage once all of them were written.
 
     Raises:
         ValueError: an endpoint is in use or cannot be bound (nothing stays bound).
@@ -133,10 +92,10 @@ class EventSink:
         rates: Callable[[], tuple[float, float]],
         prefill_tokens_per_s: float | None = None,
         publisher: Publisher | None = None,
+        storage_pools: tuple[str, ...] = ("kv",),
     ) -> None:
         self.config = config
         self.seed = seed
-        self.P = seed.page_size
         self.rates = rates
         self.publisher = publisher if publisher is not None else Publisher(config)
         self.instance_id = config.instance_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -154,28 +113,30 @@ class EventSink:
         )
         self.seq = -1  # the last published sequence number
         self.counters: Counter[str] = Counter()
-        self._ops: list[tuple] = [(_CLEARED, None, None)]  # a (re)started instance holds nothing
-        self._written: deque[list[str]] = deque()  # from the L3 writer thread
+        self.nodes = NodeHashes(seed)
+        self._lazy = self.nodes.lazy  # the same dict for the sink's life (cleared, not replaced)
+        self._heartbeat_s = config.heartbeat_s
+        self.storage_pools = storage_pools
+        self._ops: list[tuple] = [(CLEARED, None, None)]  # a (re)started instance holds nothing
+        self._written: deque[tuple] = deque()  # from the L3 writer thread
         self._backups: dict[int, list[tuple]] = {}
-        self._held: dict[str, set[str]] = {m: set() for m in MEDIA}
-        self._pages: dict[str, tuple] = {}  # hash -> its chunk: see _page_info
-        self._ns_hex: dict[Hashable, str | None] = {}
+        self._last_node, self._last_chunk = None, None  # see device_stored
         self._last_info = float("-inf")
         self._closed = False
         self._max_queued = config.queue_batches
-        self._queue: deque[tuple] = deque()  # appended here, popped by the thread
-        self._wake = threading.Event()  # set when the queue is half full, to drain, to stop
         # Batches dropped while the queue was full: their facts still reach the mirror, ahead
         # of the next batch queued (see _enqueue).
         self._overflow: list[tuple] = []
-        self._lazy: dict[int, tuple] = {}  # id(node) -> (node, _Lazy): see _lazy_hashes
-        self._last_stored: tuple = (None, None, None)  # see device_stored
-        self._mirror_seq = -1  # the batch the mirror is at (publisher thread)
-        self._sent_info = self._info  # the latest info the thread sent (rates 0 until then)
-        self._thread = threading.Thread(
-            target=self._run, name=f"kvtier-events-{self.instance_id}", daemon=True
+        self.mirror = Mirror(seed.page_size, self.counters)
+        self.thread = PublisherThread(
+            config,
+            self.publisher,
+            self.mirror,
+            self.counters,
+            self._info,
+            f"kvtier-events-{self.instance_id}",
         )
-        self._thread.start()
+        self._queue = self.thread.queue
 
     @classmethod
     def for_cache(cls, cache, config: EventsConfig, tp_size: int) -> EventSink:
@@ -203,7 +164,8 @@ class EventSink:
         prefill = config.prefill_tokens_per_s
         if prefill is None and st is not None:
             prefill = st.prefill_tokens_per_s
-        sink = cls(config, seed, page_bytes, rates, prefill)
+        pools = tuple(cache.l3.kv_group) if cache.l3 is not None else ("kv",)
+        sink = cls(config, seed, page_bytes, rates, prefill, storage_pools=pools)
         cache.tree.events = sink
         if cache.l3 is not None:
             cache.l3.writer.events = sink
@@ -222,156 +184,147 @@ class EventSink:
         publisher thread, which keeps the mirror)."""
         medium = _medium(medium)
         self.drain()
-        return set(self._held[medium])
+        return set(self.mirror.held[medium])
 
-    # -- hooks ---------------------------------------------------------------------------------
+    # -- hooks (scheduler thread, but storage_stored) ------------------------------------------
 
     def device_stored(self, node) -> None:
-        chunks = self._chunks(node, node.start)
-        # Kept for a backup of the same node in the same step (write-through): one walk.
-        self._last_stored = (node, node.key, chunks)
-        self._ops.append((_STORED, MEDIUM_DEVICE, chunks))
+        chunk = self.nodes.leaf(node)
+        # Kept for a backup of the same node in the same step (write-through): no second walk.
+        self._last_node, self._last_chunk = node, chunk
+        self._ops.append((STORED, MEDIUM_DEVICE, (chunk,)))
 
     def device_loaded(self, load) -> None:
         # The loaded pages end at the anchor (the evicted part of its path, committed at
         # load_back); walking back by length also covers nodes split since.
         anchor = load.anchor
         if load.loaded_tokens:
-            self._ops.append(
-                (_STORED, MEDIUM_DEVICE, self._chunks(anchor, anchor.end - load.loaded_tokens))
-            )
+            chunks = self.nodes.chunks(anchor, anchor.end - load.loaded_tokens)
+            self._ops.append((STORED, MEDIUM_DEVICE, chunks))
 
     def device_removed(self, node) -> None:
         # The list itself: a node's hash list is replaced on a split, never changed in place.
-        self._ops.append((_REMOVED, MEDIUM_DEVICE, self._lazy_hashes(node)))
+        hashes = node.page_hashes
+        self._ops.append(
+            (REMOVED, MEDIUM_DEVICE, self.nodes.of(node) if hashes is None else hashes)
+        )
 
     def backup_started(self, backup) -> None:
         # The pages are taken now: a node of the chain may be split before the copy is acked.
-        last_node, last_key, last_chunks = self._last_stored
+        last_node, last_chunk = self._last_node, self._last_chunk
+        nodes = backup.nodes
+        if len(nodes) == 1 and nodes[0] is last_node and last_node.key is last_chunk[3]:
+            self._backups[id(backup)] = (last_chunk,)
+            return
         records = []
-        for x in backup.nodes:
-            if x is last_node and x.key is last_key:
-                records += last_chunks
+        for x in nodes:
+            if x is last_node and x.key is last_chunk[3]:
+                records.append(last_chunk)
             else:
-                records += self._chunks(x, x.start)
+                records += self.nodes.chunks(x, x.start)
         self._backups[id(backup)] = records
 
     def backup_done(self, backup) -> None:
         records = self._backups.pop(id(backup), None)
         if records:
-            self._ops.append((_STORED, MEDIUM_HOST, records))
+            self._ops.append((STORED, MEDIUM_HOST, records))
+            # An L3 tier writes the backup on next, hashing its nodes: hand it the hashes the
+            # publisher thread has computed since, rather than let it hash them again.
+            for chunk in records:
+                lz = chunk[0]
+                if lz.__class__ is Lazy and lz.hashes is not None:
+                    self.nodes.settle(lz)
 
     def host_grafted(self, node) -> None:
-        self._ops.append((_STORED, MEDIUM_HOST, self._chunks(node, node.start)))
+        self._ops.append((STORED, MEDIUM_HOST, self.nodes.chunks(node, node.start)))
 
     def host_removed(self, node) -> None:
-        self._ops.append((_REMOVED, MEDIUM_HOST, self._lazy_hashes(node)))
+        hashes = node.page_hashes
+        self._ops.append((REMOVED, MEDIUM_HOST, self.nodes.of(node) if hashes is None else hashes))
 
     def storage_stored(self, stored) -> None:
-        """``(pool, hash)`` pairs written to L3 (called from the writer thread: a deque append
-        is atomic, and the pairs are resolved in ``flush``)."""
-        kv = [h for pool, h in stored if pool == "kv"]
-        if kv:
-            self._written.append(kv)
+        """``(pool, hash)`` pairs written to L3 (called from the writer thread once its job is
+        done: a deque append is atomic, and the pairs are resolved on the publisher thread)."""
+        self._written.append((self.storage_pools, stored))
 
     def cleared(self, medium: str | None = None) -> None:
         """``medium`` (every medium when None) was emptied at once (e.g. storage detached)."""
-        self._ops.append((_CLEARED, None if medium is None else _medium(medium), None))
+        self._ops.append((CLEARED, None if medium is None else _medium(medium), None))
 
-    # -- pages of nodes ------------------------------------------------------------------------
+    # -- per step (scheduler thread) -----------------------------------------------------------
 
-    def _lazy_hashes(self, node) -> list[str] | _Lazy:
-        """``node``'s page hashes if known, else a ``_Lazy`` that the publisher thread computes
-        (and the next ``flush`` stores in ``node.page_hashes``): hashing is most of a hook's
-        cost. Hashed now only where the chain before the node is not known either."""
-        hashes = node.page_hashes
-        if hashes is not None:
-            return hashes
-        key = node.key
-        entry = self._lazy.get(id(node))
-        if entry is not None and entry[0] is node and entry[1].key is key:
-            lz = entry[1]
-            return lz if lz.hashes is None else lz.hashes
-        parent = node.parent
-        if parent is None or len(key) < self.P:
-            return self._hashes(node)
-        if parent.parent is None:
-            prev = self.seed.digest_hex(node.namespace)
-        elif parent.page_hashes:
-            prev = parent.page_hashes[-1]
+    def flush(self) -> int | None:
+        """Queue what the hooks recorded since the last flush as the next batch (or a heartbeat
+        when due) for the publisher thread. Returns the batch's sequence number, or None when
+        there was nothing."""
+        if self._closed:
+            return None
+        if len(self._lazy) >= WRITE_BACK_AT:
+            self.nodes.write_back()
+        # Routers get the instance's rates with the first batch, then once per heartbeat.
+        due = time.monotonic() - self._last_info >= self._heartbeat_s
+        ops = self._ops
+        if ops or self._written:
+            self._ops = []
+            written = None
+            if self._written:
+                pop, written = self._written.popleft, []
+                while self._written:
+                    written.append(pop())
+            return self._enqueue(ops, written, due)
+        if due:
+            return self._enqueue(None, None, True)
+        return None
+
+    def _enqueue(self, ops, written, with_info: bool, snapshot: bool = False) -> int:
+        """Give the hooks' ``ops`` and the L3 writer's ``written`` (or, with ``snapshot``, the
+        whole mirror) the next sequence number and queue them; when the publisher thread is
+        ``queue_batches`` behind, keep their facts for the mirror but drop the batch (counted):
+        never wait."""
+        self.seq += 1
+        info = None
+        if with_info:
+            h2d, storage = (float(r) for r in self.rates())
+            info = msgspec.structs.replace(self._info, h2d_gbps=h2d, storage_gbps=storage)
+            self._last_info = time.monotonic()
+        q = self._queue
+        if len(q) >= self._max_queued:
+            # The number is spent: subscribers see the gap and take a snapshot of the mirror,
+            # which gets these facts ahead of the next batch that is queued.
+            self._overflow.append((ops, written, snapshot))
+            self.counters["dropped_batches"] += 1
         else:
-            up = self._lazy.get(id(parent))
-            if up is None or up[0] is not parent or up[1].key is not parent.key:
-                return self._hashes(node)
-            prev = up[1] if up[1].hashes is None else up[1].hashes[-1]
-        if len(self._lazy) >= MAX_LAZY:  # the thread is far behind: stop deferring
-            return self._hashes(node)
-        lz = _Lazy(key, node.namespace, prev, self.seed)
-        self._lazy[id(node)] = (node, lz)
-        return lz
+            before = self._overflow
+            if before:  # handed over whole: the thread must not see later appends
+                self._overflow = []
+            else:
+                before = ()
+            q.append((BATCH, self.seq, time.time(), ops, written, snapshot, info, before))
+            if 2 * len(q) >= self._max_queued:
+                self.thread.wake.set()
+        self.counters["batches"] += 1
+        return self.seq
 
-    def _write_back(self) -> None:
-        """Store the hashes the publisher thread has computed in their nodes (if still the
-        same key: a node split since has other lists), for the tree, L3 and later hooks."""
-        seed, lazy = self.seed, self._lazy
-        for k, (node, lz) in list(lazy.items()):  # a few a step: those of the last steps
-            hashes = lz.hashes
-            if hashes is not None:
-                del lazy[k]
-                if node.page_hashes is None and node.key is lz.key and lz.seed is seed:
-                    node.page_hashes = hashes
+    def drain(self, timeout_s: float = JOIN_S) -> bool:
+        """Wait until the publisher thread has handled everything queued so far (tests, close,
+        rekey); False if it did not within ``timeout_s``."""
+        return self.thread.drain(timeout_s)
 
-    def _hashes(self, node) -> list[str]:
-        """``node``'s page hashes, filling in those of it and its ancestors that lack them (the
-        same chain and field as the L3 tier's ``node_hashes``)."""
-        if node.page_hashes is not None:
-            return node.page_hashes
-        path, x = [], node
-        while x.parent is not None and x.page_hashes is None:
-            entry = self._lazy.pop(id(x), None)
-            if entry is not None and entry[0] is x and entry[1].key is x.key:
-                x.page_hashes = entry[1].get()  # the same list the thread uses (or will)
-                break
-            path.append(x)
-            x = x.parent
-        prev = x.page_hashes[-1] if x.parent is not None and x.page_hashes else None
-        seed = self.seed
-        for y in reversed(path):
-            # Seeding the chain with the cached digest (what page_hashes does with no prev)
-            # saves hashing the namespace again for every node under the root.
-            ns = seed.namespace(y.namespace)
-            start = prev if prev is not None else seed.digest_hex(y.namespace)
-            y.page_hashes = chain_hashes(y.key, ns, start)
-            prev = y.page_hashes[-1] if y.page_hashes else prev
-        return node.page_hashes
-
-    def _chunks(self, node, start: int) -> list[tuple]:
-        """The pages in ``[start, node.end)`` as one chunk per node, top-down (walking up from
-        ``node`` through as many ancestors as the range covers): ``(hashes, first page, hash
-        before the node, key, namespace)``. Nothing per page here: the hooks stay cheap."""
-        P = self.P
-        chunks = []
-        x = node
-        while x.parent is not None and x.end > start:
-            hashes = self._lazy_hashes(x)
-            parent = x.parent
-            up = None
-            if parent.parent is not None:
-                up = self._lazy_hashes(parent)
-                if up.__class__ is not _Lazy:
-                    up = up[-1]
-            key = x.key
-            first = start - (x.end - len(key))  # x.start, a property: computed once here
-            chunks.append((hashes, first // P if first > 0 else 0, up, key, x.namespace))
-            x = parent
-        chunks.reverse()
-        return chunks
+    def snapshot(self) -> wire.KVEventBatch:
+        """Everything each medium holds as of ``self.seq``, as one batch (waits for the
+        publisher thread)."""
+        self.drain()
+        h2d, storage = (float(r) for r in self.rates())
+        return self.thread.snapshot(
+            msgspec.structs.replace(self._info, h2d_gbps=h2d, storage_gbps=storage)
+        )
 
     # -- a new key seed ------------------------------------------------------------------------
 
     def rekey_for_tier(self, tier) -> None:
         """L3 was attached at run time (``tier``, an ``L3Tier``): take its key seed (see
-        ``rekey``)."""
+        ``rekey``) and the pools that hold its FULL pages."""
+        self.storage_pools = tuple(tier.kv_group)
         ns = tier.namespace(None)
         self.rekey(canonical_namespace(tier.st.namespace_key).hex(), ns.tp_size)
 
@@ -385,402 +338,34 @@ class EventSink:
         old = self.seed
         if (salt, tp_size) == (old.salt, old.tp_size):
             return
-        # Hashes still owed are under the old seed: none of them may go into a node now (the
-        # nodes are re-hashed under the new one), so they are computed for the records only.
-        self._lazy.clear()
+        new = KeySeed(old.model_id, old.dtype, old.page_size, old.layout, tp_size, salt)
+        # Hashes still owed are under the old seed: computed for the records only.
+        self.nodes.rekey(new)
         self.flush()  # what is pending goes under the old keys
         if not self.drain():
             log.warning("kv events: rekey while the publisher thread is behind")
         # The thread is idle now (only snapshot requests read the mirror, which is replaced,
         # not changed, below) until the next flush.
-        new = KeySeed(old.model_id, old.dtype, old.page_size, old.layout, tp_size, salt)
-        P, pages = self.P, self._pages
-        tr: dict[str, str | None] = {}  # old hash -> new (None: its prefix is not known)
 
-        def translate(h: str) -> str | None:
-            path = []
-            while h is not None and h not in tr:
-                page = pages.get(h)
-                if page is None:  # a parent no medium holds: the chain cannot be rebuilt
-                    tr[h] = None
-                    break
-                path.append(h)
-                h = _page_info(h, page, P)[0]
-            prev = tr[h] if h is not None else None
-            for x in reversed(path):
-                parent, tokens, ns = _page_info(x, pages[x], P)
-                if parent is not None and prev is None:
-                    tr[x] = None
-                    continue
-                start = prev if parent is not None else new.digest_hex(ns)
-                tr[x] = prev = page_hashes(tokens, new.namespace(ns), start)[0]
-            return tr[path[0]] if path else tr.get(h)
+        def one_page(tokens: list[int], ns, prev: str | None) -> str:
+            start = prev if prev is not None else new.digest_hex(ns)
+            return page_hashes(tokens, new.namespace(ns), start)[0]
 
-        fresh: dict[str, tuple] = {}
-        held = {m: set() for m in MEDIA}
-        for m in MEDIA:
-            for h in self._held[m]:
-                nh = translate(h)
-                if nh is None:
-                    self.counters["rekey_dropped_pages"] += 1
-                    continue
-                held[m].add(nh)
-                if nh not in fresh:
-                    parent, tokens, ns = _page_info(h, pages[h], P)
-                    fresh[nh] = ([nh], 0, tr.get(parent) if parent else None, tokens, ns)
+        P = old.page_size
+        translate = self.mirror.rekey(one_page)
         for key, chunks in self._backups.items():
             moved = []
-            for hashes, first, up, k, ns in chunks:
-                # Backups recorded before the change: their hashes under the old seed.
-                hashes = hashes.get() if hashes.__class__ is _Lazy else hashes
-                up = up.get()[-1] if up.__class__ is _Lazy else up
+            for chunk in chunks:  # backups taken before the change: hashes under the old seed
+                hashes, first, up, k, ns = chunk_hashes(chunk)
                 nhs = [translate(h) for h in hashes[first:]]
                 if None not in nhs:
                     moved.append((nhs, 0, translate(up) if up else None, k[first * P :], ns))
             self._backups[key] = moved
-        self.seed, self._held, self._pages = new, held, fresh
+        self.seed = new
         self._info.salt, self._info.tp_size = salt, tp_size
+        self._last_node, self._last_chunk = None, None
         self.counters["rekeys"] += 1
-        self._enqueue(None, None, True, _snapshot_records(self._held, self._pages, P))
-
-    # -- per step (scheduler thread) -----------------------------------------------------------
-
-    def flush(self) -> int | None:
-        """Queue what the hooks recorded since the last flush as the next batch (or a heartbeat
-        when due) for the publisher thread, which resolves it against the mirror, encodes and
-        sends it. Returns the batch's sequence number, or None when there was nothing."""
-        if self._closed:
-            return None
-        if len(self._lazy) >= WRITE_BACK_AT:
-            self._write_back()
-        now = time.monotonic()
-        # Routers get the instance's rates with the first batch, then once per heartbeat.
-        due = now - self._last_info >= self.config.heartbeat_s
-        if self._ops or self._written:
-            ops, self._ops = self._ops, []
-            written = None
-            if self._written:
-                pop, written = self._written.popleft, []
-                while self._written:
-                    written.append(pop())
-            return self._enqueue(ops, written, due)
-        if due:
-            return self._enqueue(None, None, True)
-        return None
-
-    def drain(self, timeout_s: float = JOIN_S) -> bool:
-        """Wait until the publisher thread has handled everything queued so far (tests, close,
-        rekey); False if it did not within ``timeout_s``."""
-        if not self._thread.is_alive():
-            return True
-        done = threading.Event()
-        self._queue.append((_MARK, done))
-        self._wake.set()
-        return done.wait(timeout_s)
-
-    def _current_info(self) -> wire.InstanceInfo:
-        """A copy of the instance info with fresh rates (the thread encodes it later)."""
-        h2d, storage = (float(r) for r in self.rates())
-        return msgspec.structs.replace(self._info, h2d_gbps=h2d, storage_gbps=storage)
-
-    def _enqueue(self, ops, written, with_info: bool, records: list | None = None) -> int:
-        """Give the hooks' ``ops`` and the L3 writer's ``written`` (or ready ``records``) the
-        next sequence number and queue them; when the publisher thread is ``queue_batches``
-        behind, keep their facts for the mirror but drop the batch (counted): never wait."""
-        self.seq += 1
-        info = None
-        if with_info:
-            info = self._current_info()
-            self._last_info = time.monotonic()
-        q = self._queue
-        if len(q) >= self._max_queued:
-            # The number is spent: subscribers see the gap and take a snapshot of the mirror,
-            # which gets these facts ahead of the next batch that is queued.
-            self._overflow.append((ops, written, records))
-            self.counters["dropped_batches"] += 1
-        else:
-            before = self._overflow
-            if before:  # handed over whole: the thread must not see later appends
-                self._overflow = []
-            else:
-                before = ()
-            q.append((_BATCH, self.seq, time.time(), ops, written, records, info, before))
-            if 2 * len(q) >= self._max_queued:
-                self._wake.set()
-        self.counters["batches"] += 1
-        return self.seq
-
-    # -- the mirror (publisher thread) ---------------------------------------------------------
-
-    def _resolve(self, ops: list | None, written: list | None) -> list:
-        """The hooks' records against the mirror: compact records in order (see ``_build``)."""
-        out: list[tuple] = []
-        dead: set[str] = set()
-        counters = self.counters
-        for kind, medium, data in ops or ():
-            if kind == _STORED:
-                for chunk in data:
-                    self._store(medium, chunk, out)
-            elif kind == _REMOVED:
-                held = self._held[medium]
-                gone = held.intersection(data.get() if data.__class__ is _Lazy else data)
-                if gone:
-                    held -= gone
-                    dead |= gone
-                    out.append((_REMOVED, medium, gone))
-                    counters[_REMOVED_PAGES[medium]] += len(gone)
-            else:
-                for m in MEDIA if medium is None else (medium,):
-                    dead |= self._held[m]
-                    self._held[m] = set()
-                out.append((_CLEARED, medium))
-        for hashes in written or ():
-            self._store_written(hashes, out)
-        # Records of pages no medium holds any more go only now: a storage write resolved above
-        # may name a page whose host copy was evicted in the same step.
-        if dead:
-            dead -= self._held[MEDIUM_DEVICE]
-            dead -= self._held[MEDIUM_HOST]
-            dead -= self._held[MEDIUM_STORAGE]
-            pop = self._pages.pop
-            for h in dead:
-                pop(h, None)
-        return out
-
-    def _store(self, medium: str, chunk: tuple, out: list) -> None:
-        """Record the chunk's pages ``medium`` does not hold yet, one record per run of them:
-        ``(_STORED, medium, hashes, parent, key, first token, end token, namespace)`` (the key
-        is sliced on the publisher thread: node keys are replaced, never changed in place)."""
-        hashes, first, up, key, ns = chunk
-        if hashes.__class__ is _Lazy or up.__class__ is _Lazy:
-            hashes = hashes.get() if hashes.__class__ is _Lazy else hashes
-            up = up.get()[-1] if up.__class__ is _Lazy else up
-            chunk = (hashes, first, up, key, ns)  # the mirror keeps hashes, not _Lazy
-        held, P = self._held[medium], self.P
-        n = len(hashes)
-        span = hashes[first:] if first else hashes
-        if held.isdisjoint(span):  # the common case: every page is new here
-            self._add(held, chunk, span)
-            out.append(
-                (
-                    _STORED,
-                    medium,
-                    span,
-                    hashes[first - 1] if first else up,
-                    key,
-                    first * P,
-                    n * P,
-                    ns,
-                )
-            )
-            self.counters[_STORED_PAGES[medium]] += n - first
-            return
-        i = first
-        while i < n:  # runs of new pages between pages already held
-            while i < n and hashes[i] in held:
-                i += 1
-            j = i
-            while j < n and hashes[j] not in held:
-                j += 1
-            if j > i:
-                run = hashes[i:j]
-                self._add(held, chunk, run)
-                out.append(
-                    (_STORED, medium, run, hashes[i - 1] if i else up, key, i * P, j * P, ns)
-                )
-                self.counters[_STORED_PAGES[medium]] += j - i
-            i = j
-
-    def _add(self, held: set[str], chunk: tuple, run: list[str]) -> None:
-        held.update(run)
-        # Re-pointing a page another medium holds at this chunk is harmless: a hash names its
-        # whole prefix, so every chunk that has it says the same about it.
-        self._pages.update(zip(run, itertools.repeat(chunk)))
-
-    def _store_written(self, hashes: list[str], out: list) -> None:
-        held, pages, P = self._held[MEDIUM_STORAGE], self._pages, self.P
-        for h in hashes:
-            page = pages.get(h)
-            if page is None:  # on no medium as published (cannot happen: host-pinned)
-                self.counters["storage_unknown_pages"] += 1
-                continue
-            if h in held:
-                continue
-            held.add(h)
-            chain, _, up, key, ns = page
-            i = chain.index(h, page[1])
-            out.append(
-                (
-                    _STORED,
-                    MEDIUM_STORAGE,
-                    [h],
-                    chain[i - 1] if i else up,
-                    key,
-                    i * P,
-                    (i + 1) * P,
-                    ns,
-                )
-            )
-            self.counters[_STORED_PAGES[MEDIUM_STORAGE]] += 1
-
-    # -- snapshots -----------------------------------------------------------------------------
-
-    def snapshot(self) -> wire.KVEventBatch:
-        """Everything each medium holds as of ``self.seq``, as one batch (waits for the
-        publisher thread)."""
-        self.drain()
-        records = _snapshot_records(self._held, self._pages, self.P)
-        return wire.KVEventBatch(
-            ts=time.time(), events=self._build(records), instance=self._current_info()
-        )
-
-    # -- the publisher thread ------------------------------------------------------------------
-
-    def _run(self) -> None:
-        """Every ``PUBLISH_INTERVAL_S`` (or when woken): send what ``flush`` queued, in order,
-        then answer snapshot requests (between two batches: the mirror is at one of them)."""
-        q, wake, router = self._queue, self._wake, self.publisher.router
-        while True:
-            wake.wait(PUBLISH_INTERVAL_S)
-            wake.clear()  # before popping: a later set() is not lost
-            while q:
-                item = q.popleft()
-                kind = item[0]
-                if kind == _STOP:
-                    return
-                try:
-                    if kind == _BATCH:
-                        self._send_batch(*item[1:])
-                    else:
-                        item[1].set()
-                except Exception as e:  # never kill the thread: the next batch may go out
-                    self.counters["publish_errors"] += 1
-                    log.warning("kv events: publisher thread: %s", e)
-            if router is not None:
-                try:
-                    for frames in self.publisher.requests():
-                        self._answer(frames)
-                except zmq.ZMQError as e:
-                    self.counters["snapshot_errors"] += 1
-                    log.warning("kv events: snapshot endpoint: %s", e)
-
-    def _send_batch(self, seq: int, ts: float, ops, written, records, info, before) -> None:
-        """Resolve, build, encode and send one batch (after the facts of dropped ones)."""
-        for o, w, r in before:  # dropped batches: their facts only
-            if r is None:
-                self._resolve(o, w)
-        if records is None:
-            records = self._resolve(ops, written)
-        self._mirror_seq = seq
-        if info is not None:
-            self._sent_info = info
-        self.counters["events"] += len(records)
-        batch = wire.KVEventBatch(ts=ts, events=self._build(records), instance=info)
-        try:
-            self.publisher.send((wire.seq_bytes(seq), wire.encode(batch)))
-        except zmq.ZMQError as e:
-            # Never the engine's problem: the number is spent, so subscribers see a gap and
-            # recover from a snapshot.
-            self.counters["publish_errors"] += 1
-            log.warning("kv events: batch %d not sent: %s", seq, e)
-
-    def _build(self, records: list) -> list:
-        """Wire events from compact records, merging stored runs that continue each other
-        (same medium, parent = the previous run's last page, same namespace) into one
-        BlockStored."""
-        events: list = []
-        P = self.P
-        hexb = bytes.fromhex
-        i, n = 0, len(records)
-        while i < n:
-            r = records[i]
-            kind = r[0]
-            if kind == _REMOVED:
-                events.append(wire.BlockRemoved(list(map(hexb, r[2])), r[1]))
-                i += 1
-                continue
-            if kind == _CLEARED:
-                events.append(wire.AllBlocksCleared(r[1]))
-                i += 1
-                continue
-            _, medium, hashes, parent, key, a, b, ns = r
-            j = i + 1
-            last = hashes[-1]
-            while j < n:
-                s = records[j]
-                if s[0] != _STORED or s[1] != medium or s[3] != last or s[7] != ns:
-                    break
-                last = s[2][-1]
-                j += 1
-            if j == i + 1:
-                raws = list(map(hexb, hashes))
-                tokens = key[a:b] if (a or b != len(key)) else list(key)
-            else:
-                run = records[i:j]
-                raws = list(map(hexb, itertools.chain.from_iterable(x[2] for x in run)))
-                tokens = list(itertools.chain.from_iterable(x[4][x[5] : x[6]] for x in run))
-            events.append(
-                wire.BlockStored(
-                    block_hashes=raws,
-                    parent_block_hash=hexb(parent) if parent is not None else None,
-                    token_ids=tokens,
-                    block_size=P,
-                    lora_id=None,
-                    medium=medium,
-                    lora_name=None,
-                    namespace=self._namespace_hex(ns),
-                )
-            )
-            i = j
-        return events
-
-    def _namespace_hex(self, ns: Hashable) -> str | None:
-        try:
-            return self._ns_hex[ns]
-        except KeyError:
-            out = None if ns is None else canonical_namespace(ns).hex()
-            self._ns_hex[ns] = out
-            return out
-
-    def _answer(self, frames: list[bytes]) -> None:
-        """Reply to one request: ``[identity, b"", msgpack SnapshotRequest]`` (REQ or DEALER)
-        with the mirror between two batches, labelled with the last one applied; anything else
-        is counted and refused (or dropped when it cannot be replied to)."""
-        if len(frames) < 2:
-            self.counters["snapshot_malformed"] += 1
-            return
-        identity, body = frames[0], frames[1:]
-        if body and body[0] == b"":
-            body = body[1:]
-        if len(body) != 1:
-            return self._refuse(identity, "malformed", "expected one SnapshotRequest frame")
-        try:
-            req = wire.decode_request(body[0])
-        except Exception as e:  # anything undecodable is the peer's problem, not the cache's
-            return self._refuse(identity, "malformed", f"undecodable request ({e})")
-        peers = self.config.snapshot_peers
-        if peers is not None and req.peer not in peers:
-            return self._refuse(identity, "unknown_peer", f"peer {req.peer!r} is not allowed")
-        if req.instance_id != self.instance_id:
-            return self._refuse(
-                identity,
-                "unknown_instance",
-                f"this is {self.instance_id!r}, not {req.instance_id!r}",
-            )
-        seq = self._mirror_seq
-        records = _snapshot_records(self._held, self._pages, self.P)
-        snap = wire.KVEventBatch(
-            ts=time.time(), events=self._build(records), instance=self._sent_info
-        )
-        payload = wire.encode(snap)
-        # Counted first: a subscriber holding the reply may look at the count at once.
-        self.counters["snapshots_served"] += 1
-        self.publisher.reply([identity, b"", b"OK", wire.seq_bytes(seq), payload])
-
-    def _refuse(self, identity: bytes, why: str, message: str) -> None:
-        self.counters[f"snapshot_refused_{why}"] += 1
-        log.warning("kv events: snapshot request refused: %s", message)
-        self.publisher.reply([identity, b"", b"ERR", message.encode("utf-8")])
+        self._enqueue(None, None, True, snapshot=True)
 
     def close(self) -> None:
         """Publish that this instance holds nothing any more, and release the sockets."""
@@ -791,33 +376,7 @@ class EventSink:
             self.flush()
         finally:
             self._closed = True
-            self._queue.append((_STOP,))
-            self._wake.set()
-            self._thread.join(JOIN_S)
-            if self._thread.is_alive():  # its sockets are its own: leave them to the process
-                log.warning("kv events: publisher thread did not stop within %.1f s", JOIN_S)
-            else:
-                self.publisher.close()
-
-
-def _snapshot_records(held: dict[str, set[str]], pages: dict[str, tuple], P: int) -> list:
-    """Records (as ``_resolve`` makes) of everything ``held`` names, after AllBlocksCleared."""
-    out: list[tuple] = [(_CLEARED, None)]
-    for medium in MEDIA:
-        by_chunk: dict[int, list[str]] = {}
-        for h in held[medium]:
-            by_chunk.setdefault(id(pages[h]), []).append(h)
-        for hs in by_chunk.values():
-            # In chunk order, so that pages of one node merge into one event.
-            chunk = pages[hs[0]]
-            chain, _, up, key, ns = chunk
-            where = {h: i for i, h in enumerate(chain)}
-            for h in sorted(hs, key=where.__getitem__):
-                i = where[h]
-                out.append(
-                    (_STORED, medium, [h], chain[i - 1] if i else up, key, i * P, (i + 1) * P, ns)
-                )
-    return out
+            self.thread.stop()
 
 
 def _medium(medium: str) -> str:

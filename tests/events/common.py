@@ -124,9 +124,12 @@ def node_pages(cache: TieredKVCache, keyns=None) -> dict:
 
 
 def in_store(cache: TieredKVCache, hashes) -> set[bytes]:
-    """The hashes whose KV page the L3 backend says it has."""
-    backend = cache.l3.backend
-    return {h for h in hashes if backend.exists([PoolTransfer("kv", [h.hex()])]) == 1}
+    """The hashes whose FULL page the L3 backend says it has: in every pool holding a FULL
+    page's bytes (the KV pool, FULL-anchored sidecars)."""
+    backend, group = cache.l3.backend, cache.l3.kv_group
+    return {
+        h for h in hashes if backend.exists([PoolTransfer(pool, [h.hex()]) for pool in group]) == 1
+    }
 
 
 def truth(cache: TieredKVCache, keyns=None) -> dict[str, set[bytes]]:
@@ -142,11 +145,12 @@ def truth(cache: TieredKVCache, keyns=None) -> dict[str, set[bytes]]:
 
 
 def inflight_writes(cache: TieredKVCache) -> set[bytes]:
-    """KV pages of L3 writes the cache has not acknowledged yet."""
+    """FULL pages with an L3 write (of any of their pools) the cache has not acknowledged."""
     out = set()
     for job in cache.l3._backups:
-        hashes, _ = job.pages.get("kv", ([], None))
-        out.update(bytes.fromhex(h) for h in hashes)
+        for pool in cache.l3.kv_group:
+            hashes, _ = job.pages.get(pool, ([], None))
+            out.update(bytes.fromhex(h) for h in hashes)
     return out
 
 

@@ -130,7 +130,7 @@ def test_lazily_computed_hashes_reach_the_nodes_and_equal_the_l3_keys():
             run_turn(cache, c)
             cache.poll()
         assert cache.events.drain()
-        cache.events._write_back()  # what flush does once WRITE_BACK_AT are owed
+        cache.events.nodes.write_back()  # what flush does once WRITE_BACK_AT are owed
         want = node_pages(cache)
         filled = 0
         for node, hs in want.items():  # hs: the node's own pages, hashed from its token path
@@ -138,7 +138,7 @@ def test_lazily_computed_hashes_reach_the_nodes_and_equal_the_l3_keys():
                 assert [bytes.fromhex(h) for h in node.page_hashes] == hs
                 filled += 1
         assert filled, "no node got its hashes"
-        assert not cache.events._lazy, "every computed hash was written back"
+        assert not cache.events.nodes.lazy, "every computed hash was written back"
     finally:
         cache.close()
 
@@ -175,3 +175,101 @@ def test_a_step_never_waits_for_the_thread_and_close_still_finishes():
     finally:
         gate.set()
         cache.close()
+
+
+def test_a_batch_that_fails_to_resolve_is_counted_and_leaks_nothing_into_the_next():
+    """A record the thread cannot resolve: the batch is lost (its number spent, counted), and
+    what it had built before failing is not sent with the next batch."""
+    from kvtier.events.mirror import STORED
+
+    cache = make_cache("write_through", kinds=("full", "full"))
+    ev = cache.events
+    sent: list[tuple[bytes, bytes]] = []
+    send = ev.publisher.send
+    ev.publisher.send = lambda frames: (sent.append(frames), send(frames))
+    try:
+        assert ev.drain()
+        good = (["aa" * 32], 0, None, [1, 2, 3, 4], None)
+        bad = (None, 0, None, [5, 6, 7, 8], None)  # no hashes: resolving it raises
+        ev._ops += [(STORED, "GPU", [good]), (STORED, "GPU", [bad])]
+        failed = ev.flush()
+        other = (["bb" * 32], 0, None, [9, 9, 9, 9], None)
+        ev._ops.append((STORED, "CPU", [other]))
+        ok = ev.flush()
+        assert ev.drain()
+        assert ev.counters["publish_errors"] == 1
+        seqs = {wire.seq_of(f): p for f, p in sent}
+        assert failed not in seqs and ok in seqs
+        [event] = wire.decode_batch(seqs[ok]).events
+        assert event.medium == "CPU" and event.block_hashes == [bytes.fromhex("bb" * 32)]
+    finally:
+        cache.close()
+
+
+def test_an_acknowledged_backup_hands_the_computed_hashes_to_l3(tmp_path, monkeypatch):
+    """Hashes the publisher thread computed reach the nodes when their backup is acknowledged,
+    before the L3 tier writes it on: the tier does not hash those pages again."""
+    from kvtier.runtime.l3 import tier as tier_module
+
+    cache = make_cache(
+        "write_through", str(tmp_path / "l3"), kinds=("full", "full"), ack_delay_steps=2
+    )
+    hashed: list[int] = []
+    real = tier_module.page_hashes
+
+    def counted(tokens, *a, **kw):
+        hashed.append(len(tokens))
+        return real(tokens, *a, **kw)
+
+    monkeypatch.setattr(tier_module, "page_hashes", counted)
+    try:
+        for c in conversations(15, n=2):
+            run_turn(cache, c)  # its poll acknowledges nothing yet
+            assert cache.events.drain()  # the thread has hashed the new pages
+            assert cache.controller.in_flight
+            hashed.clear()
+            cache.poll()  # acknowledges the backup: the L3 tier writes it on
+            assert not cache.controller.in_flight and cache.l3.outstanding
+            assert hashed == [], f"the L3 tier hashed {sum(hashed)} tokens again"
+        cache.drain()
+        want = node_pages(cache)
+        assert all([bytes.fromhex(h) for h in node.page_hashes] == hs for node, hs in want.items())
+    finally:
+        cache.close()
+
+
+def test_a_dropped_batch_reaches_the_mirror_after_the_batches_queued_before_it():
+    """Queue A, drop B (the queue is full): the mirror after A holds A's facts only; B's
+    reach it ahead of the next batch queued, once."""
+    from kvtier.events.mirror import STORED
+    from kvtier.events.sink import EventSink
+
+    seed = KeySeed("m", "bfloat16", 4, "page_first", 1, "")
+    sink = EventSink(loopback("drop", queue_batches=1), seed, 64, lambda: (0.0, 0.0))
+    entered, gate = threading.Event(), threading.Event()
+    send = sink.publisher.send
+
+    def gated(frames):
+        entered.set()
+        assert gate.wait(BOUND_S), "the test never opened the gate"
+        return send(frames)
+
+    sink.publisher.send = gated
+    try:
+        sink.flush()  # batch 0 (AllBlocksCleared): the thread stalls sending it
+        assert entered.wait(BOUND_S), "the publisher thread never sent batch 0"
+        x, z = "aa" * 32, "bb" * 32
+        sink._ops.append((STORED, "GPU", [([x], 0, None, [1, 2, 3, 4], None)]))
+        sink.flush()  # A: queued
+        sink._ops.append((STORED, "GPU", [([z], 0, None, [5, 6, 7, 8], None)]))
+        sink.flush()  # B: dropped
+        assert sink.counters["dropped_batches"] == 1
+        gate.set()
+        assert sink.held("GPU") == {x}  # after A: B is not there yet
+        sink.cleared("STORAGE")
+        sink.flush()  # C carries B's facts ahead of its own
+        assert sink.held("GPU") == {x, z}
+        assert sink.counters["stored_pages.GPU"] == 2
+    finally:
+        gate.set()
+        sink.close()
