@@ -394,7 +394,7 @@ def main() -> None:
     knobs = TransferKnobs(
         args.programs or DEFAULT_KNOBS.num_programs,
         args.tile_bytes or DEFAULT_KNOBS.tile_bytes,
-        args.num_warps or DEFAULT_KNOBS.num_warps,
+        args.num_warps,  # None: the default for the grid size
         # A tile or warps given on the command line are used for every call.
         small_h2d_bytes=0 if args.tile_bytes or args.num_warps else DEFAULT_KNOBS.small_h2d_bytes,
     )

@@ -145,6 +145,16 @@ def test_small_h2d_variant_chosen_by_bytes(layout, device, monkeypatch):
     assert launched == [knobs]
 
 
+def test_default_warps_follow_the_grid():
+    """One program per SM wants more warps in flight: 32 at 1-2 programs, 16 from 4 up; an
+    explicit value is kept."""
+    assert [TransferKnobs(n).num_warps for n in (1, 2, 3, 4, 64)] == [32, 32, 16, 16, 16]
+    assert TransferKnobs(2, num_warps=8).num_warps == 8
+    assert TransferKnobs(2) == TransferKnobs(2, num_warps=32)
+    with pytest.raises(TypeError, match="num_programs"):
+        TransferKnobs("2")
+
+
 def test_small_variant_knobs_are_checked():
     k = TransferKnobs()
     s = k.small_variant()

@@ -1,0 +1,131 @@
+"""The copy kernel on 1, 2 and 4 programs (SMs), against the copy engine, in one run.
+
+Issue 12 asks the kernel path to match sgl-kernel's transfer kernels at 2 SMs in every case.
+sgl-kernel is not installable on the GPU machine here (its wheel is 511 MiB, built for another
+torch), so this compares percentages of the copy engine: kvtier's, measured here against a
+contiguous pinned ``copy_`` of the same bytes, and sgl-kernel's as recorded on an H200 in
+``shared/reference/limits.md`` (Llama-3-8B-like pool, 8192 tokens in random 16-token pages),
+shown beside them. Each kvtier row is timed with the default knobs for that grid size and with
+16 warps (the default at 4 programs and up), so the table shows what the grid-size rule buys.
+
+Usage::
+
+    python3 -m profiling.bench_small_grid --out profiling/results   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+from kvtier.kernels import set_debug_checks
+from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
+from profiling.bench_transfer import N_TOKENS, Ceiling, make_host, make_pools, random_slots
+from profiling.common import environment, gbs, header_lines, median_ms
+
+# (host layout, direction, layer (None: all layers), page size) and sgl-kernel's recorded % of
+# the copy engine at 1 / 2 / 4 CTAs (limits.md; None where it records no figure).
+CASES = (
+    ("layer_first", "d2h", None, 16, (52, 94, 94)),
+    ("page_first", "d2h", None, 16, (73, 95, 95)),
+    ("layer_first", "h2d", 0, 16, (39, 73, 93)),
+    ("page_first", "h2d", 0, 16, (31, 59, 92)),
+    ("page_first", "d2h", 0, 1, (None, None, None)),
+)
+PROGRAMS = (1, 2, 4)
+
+
+def measure(rounds: int) -> list[dict]:
+    dev, _stacks, cfg = make_pools("llama3-8b")
+    ceiling = Ceiling()
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for layout, direction, layer, P, sgl in CASES:
+        host = make_host(cfg, layout, P)
+        didx, hidx = random_slots(P, gen), random_slots(P, gen)
+        n_sel = 1 if layer is not None else dev.num_layers
+        nbytes = N_TOKENS * dev.num_buffers * n_sel * dev.item_bytes
+        ce = ceiling(nbytes, direction)
+        for i, programs in enumerate(PROGRAMS):
+            pct = {}
+            for name, knobs in (
+                ("default", TransferKnobs(programs)),
+                ("16 warps", TransferKnobs(programs, num_warps=16)),
+            ):
+                if direction == "d2h":
+
+                    def fn(k=knobs):
+                        copy_device_to_host(
+                            dev, host, didx, hidx, layer=layer, knobs=k, check=False
+                        )
+                else:
+
+                    def fn(k=knobs):
+                        copy_host_to_device(
+                            host, dev, hidx, didx, layer=layer, knobs=k, check=False
+                        )
+
+                best = max(gbs(nbytes, median_ms(fn, rep_ms=60)) for _ in range(rounds))
+                pct[name] = 100 * best / ce
+            rows.append(
+                {
+                    "layout": layout,
+                    "direction": direction,
+                    "scope": "all layers" if layer is None else "one layer",
+                    "P": P,
+                    "programs": programs,
+                    "warps": TransferKnobs(programs).num_warps,
+                    "pct_default": pct["default"],
+                    "pct_16_warps": pct["16 warps"],
+                    "sgl_kernel_pct": sgl[i],
+                }
+            )
+            r = rows[-1]
+            print(
+                f"{layout:11s} {direction} {r['scope']:10s} P={P:<2d} programs={programs}: "
+                f"{r['pct_default']:5.1f}% ({r['warps']} warps), 16 warps {r['pct_16_warps']:5.1f}%, "
+                f"sgl-kernel (recorded) {sgl[i]}",
+                flush=True,
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=2, help="best of this many medians per cell")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_small_grid measures on a GPU")
+    set_debug_checks(False)
+    rows = measure(args.rounds)
+    info = environment()
+    if not args.out:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_small_grid.json"), "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    lines = ["# The copy kernel on 1, 2 and 4 programs, % of the copy engine", ""]
+    lines += header_lines(info) + [""]
+    lines += [
+        "| layout | copy | P | programs | kvtier, default knobs (warps) | kvtier, 16 warps | "
+        "sgl-kernel, recorded (limits.md, H200) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sgl = "—" if r["sgl_kernel_pct"] is None else f"{r['sgl_kernel_pct']}%"
+        lines.append(
+            f"| {r['layout']} | {r['direction']} {r['scope']} | {r['P']} | {r['programs']} | "
+            f"{r['pct_default']:.1f}% ({r['warps']}) | {r['pct_16_warps']:.1f}% | {sgl} |"
+        )
+    with open(os.path.join(args.out, "bench_small_grid.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
