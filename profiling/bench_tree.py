@@ -11,8 +11,11 @@ when an allocation fails, 1/32 of the pool is evicted, and those calls are timed
 
 Each request's cost is also split by whether CPython's cyclic GC ran inside it (``gc.callbacks``):
 the p99 of the requests no collection touched is the tree's own tail; collections are counted
-with their median pause. ``--baseline DIR`` replays the same trace, in the same session, on an
-older checkout (``git worktree add DIR <commit>``) for a before/after table.
+with their median pause, beside the mean net count of GC-tracked objects a request leaves
+allocated (what brings the next generation-0 collection closer). ``--baseline DIR`` replays
+the same trace, in the same session, on an older checkout (``git worktree add DIR <commit>``)
+for a before/after table. The p99 of the thread's CPU time per request sits beside the wall-clock
+one: on a shared machine the wall-clock tail also holds the time slices of other processes.
 
     python3 -m profiling.bench_tree --requests 10000 --out profiling/results --baseline /tmp/before
 """
@@ -60,6 +63,11 @@ class Row:
     gc_collections: dict[int, int]  # generation -> collections inside timed requests
     gc_pause_p50_us: float  # median pause of those collections
     p999_us: float = 0.0
+    # mean net count of GC-tracked objects a request leaves allocated (CPython's gen-0 trigger)
+    gc_allocs: float = 0.0
+    # p99 of the thread's CPU time per request (GC pauses in, time the OS gave other processes
+    # out): on a shared machine the wall-clock tail also holds other processes' time slices
+    cpu_p99_us: float = 0.0
 
 
 def make_trace(n_requests: int, seed: int) -> list[list[int]]:
@@ -108,14 +116,24 @@ def prefill(tree, kv, n_docs: int, seed: int) -> None:
 
 
 class _GcWatch:
-    """Collections (generation, pause) while ``armed``: a request that saw one is marked."""
+    """Collections (generation, pause) while ``armed``: a request that saw one is marked.
+
+    ``allocated()`` is the net count of GC-tracked allocations so far: the generation-0 count
+    rises by one per GC-tracked allocation and falls by one per such deallocation, and a
+    collection resets it (the watch carries what it had)."""
 
     def __init__(self) -> None:
         self.armed = False
         self.events: list[tuple[int, float]] = []
         self._t0 = 0
+        self._carried = 0
+
+    def allocated(self) -> int:
+        return self._carried + gc.get_count()[0]
 
     def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._carried += gc.get_count()[0]
         if not self.armed:
             return
         if phase == "start":
@@ -138,19 +156,24 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
     gc.freeze()
     costs, pages, evicts, match_costs, insert_costs, sizes = [], [], [], [], [], []
     gc_hit: list[bool] = []
+    net_allocs: list[int] = []
     watch = _GcWatch()
     gc.callbacks.append(watch)
-    clock = time.perf_counter_ns
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    cpu_costs: list[float] = []
     for i, tokens in enumerate(trace):
         if i % 250 == 0:
             sizes.append(len(tree.all_nodes()))
         prompt = tokens[: len(tokens) - MSG_LEN]
         seen = len(watch.events)
+        allocated = watch.allocated()
         watch.armed = True
+        c0 = cpu_clock()
         t0 = clock()
         m = tree.match_prefix(prompt)
         handle = pin(m.last_device_node)
         t1 = clock()
+        c1 = cpu_clock()
         watch.armed = False
         need = len(tokens) - m.device_len
         slots = kv.alloc(need)
@@ -161,13 +184,17 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
             slots = kv.alloc(need)
         row = torch.cat([m.device_indices, slots])
         watch.armed = True
+        c2 = cpu_clock()
         t2 = clock()
         tree.insert(tokens, row, prev_prefix_len=m.device_len)
         unpin(handle)
         t3 = clock()
+        c3 = cpu_clock()
         watch.armed = False
         gc_hit.append(len(watch.events) > seen)
+        net_allocs.append(watch.allocated() - allocated)
         costs.append((t1 - t0 + t3 - t2) / 1e3)
+        cpu_costs.append((c1 - c0 + c3 - c2) / 1e3)
         match_costs.append((t1 - t0) / 1e3)
         insert_costs.append((t3 - t2) / 1e3)
         pages.append(m.device_len // P)
@@ -201,6 +228,8 @@ def run(name: str, trace: list[list[int]], kv_size: int, n_docs: int, evict_frac
         collections,
         median([p for _, p in watch.events]) if watch.events else 0.0,
         pct[99.9],
+        statistics.fmean(net_allocs),
+        percentiles(cpu_costs, (99,))[99],
     )
 
 
@@ -270,17 +299,21 @@ def table(rows: list[tuple[str, Row]]) -> list[str]:
     lines = [
         (
             "| code | tree | live nodes: start / mean of 2nd half / max | median µs | p99 µs | "
-            "p99.9 µs | p99 without a GC pause µs | GC collections in requests (gen 0/1/2), "
-            "median pause µs | median match+lock / insert+unlock µs | evict calls (median µs) |"
+            "p99.9 µs | p99 of CPU time µs | p99 without a GC pause µs | "
+            "GC collections in requests (gen 0/1/2), "
+            "median pause µs | net GC-tracked allocations per request | "
+            "median match+lock / insert+unlock µs | evict calls (median µs) |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for code, r in rows:
         gcs = "/".join(str(r.gc_collections.get(g, 0)) for g in range(3))
         lines.append(
             f"| {code} | {r.name} | {r.nodes_start:,} / {r.nodes_mean:,} / {r.nodes_max:,} | "
-            f"{r.p50_us:.1f} | {r.p99_us:.1f} | {r.p999_us:.0f} | {r.p99_no_gc_us:.1f} | "
-            f"{gcs}, {r.gc_pause_p50_us:.0f} | {r.match_p50_us:.1f} / {r.insert_p50_us:.1f} | "
+            f"{r.p50_us:.1f} | {r.p99_us:.1f} | {r.p999_us:.0f} | {r.cpu_p99_us:.1f} | "
+            f"{r.p99_no_gc_us:.1f} | "
+            f"{gcs}, {r.gc_pause_p50_us:.0f} | {r.gc_allocs:.2f} | "
+            f"{r.match_p50_us:.1f} / {r.insert_p50_us:.1f} | "
             f"{r.evict_calls} ({r.evict_p50_us:.0f}) |"
         )
     return lines

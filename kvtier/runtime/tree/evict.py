@@ -1,4 +1,4 @@
-"""Device and host eviction for ``UnifiedRadixTree`` (a mixin; the books live in tree.py).
+"""Device and host eviction for ``UnifiedRadixTree`` (a part acting on the books in tree.py).
 
 Order and rules:
 
@@ -25,6 +25,7 @@ a deleted node is always a leaf, so no upward cleanup pass is needed.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -52,32 +53,40 @@ class Eviction:
         Returns:
             device amounts freed per component (demoted data counts as freed).
         """
-        freed = [0] * len(self.tree.components)
-        with self.tree.full.device_alloc.batched_free():
-            if full > 0:
-                self._evict_full_device(full, freed)
-            if swa > 0 and self.tree.swa is not None:
-                self._evict_aux_device(self.tree.swa, swa, freed)
-            if mamba > 0 and self.tree.mamba is not None:
-                self._evict_aux_device(self.tree.mamba, mamba, freed)
-        return self._evict_result(freed)
+        return self._evict_tier(
+            self.tree.full.device_alloc,
+            self._evict_full_device,
+            self._evict_aux_device,
+            full,
+            swa,
+            mamba,
+        )
 
     def evict_host(self, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
         """Free at least the requested host amounts where unpinned host data allows."""
-        freed = [0] * len(self.tree.components)
-        with (
-            self.tree.full.host_alloc.batched_free() if self.tree.full.host_alloc else nullcontext()
-        ):
-            self._evict_host_tiers(full, swa, mamba, freed)
-        return self._evict_result(freed)
+        return self._evict_tier(
+            self.tree.full.host_alloc, self._evict_full_host, self._evict_aux_host, full, swa, mamba
+        )
 
-    def _evict_host_tiers(self, full: int, swa: int, mamba: int, freed: list[int]) -> None:
-        if full > 0:
-            self._evict_full_host(full, freed)
-        if swa > 0 and self.tree.swa is not None:
-            self._evict_aux_host(self.tree.swa, swa, freed)
-        if mamba > 0 and self.tree.mamba is not None:
-            self._evict_aux_host(self.tree.mamba, mamba, freed)
+    def _evict_tier(
+        self,
+        full_alloc,
+        evict_full: Callable[[int, list[int]], None],
+        evict_aux: Callable[[TreeComponent, int, list[int]], None],
+        full: int,
+        swa: int,
+        mamba: int,
+    ) -> EvictResult:
+        """One tier's eviction: FULL, then SWA, then MAMBA, frees batched in ``full_alloc``."""
+        freed = [0] * len(self.tree.components)
+        with full_alloc.batched_free() if full_alloc is not None else nullcontext():
+            if full > 0:
+                evict_full(full, freed)
+            if swa > 0 and self.tree.swa is not None:
+                evict_aux(self.tree.swa, swa, freed)
+            if mamba > 0 and self.tree.mamba is not None:
+                evict_aux(self.tree.mamba, mamba, freed)
+        return self._evict_result(freed)
 
     def _evict_result(self, freed: list[int]) -> EvictResult:
         swa = freed[self.tree.swa.slot] if self.tree.swa is not None else 0
@@ -110,13 +119,24 @@ class Eviction:
         return heap
 
     def _evict_full_device(self, target: int, freed: list[int]) -> None:
-        heap = self._leaf_heap(self.tree.device_leaves)
+        self._evict_leaves(self.tree.device_leaves, self._evict_device_leaf, target, freed)
+
+    def _evict_leaves(
+        self,
+        leaves: set[TreeNode],
+        evict_leaf: Callable[[TreeNode, list[int]], bool],
+        target: int,
+        freed: list[int],
+    ) -> None:
+        """Pop ``leaves`` (a tier's leaf set) in eviction order until FULL's ``target`` is freed;
+        a parent that becomes a leaf joins the heap."""
+        heap = self._leaf_heap(leaves)
         while freed[0] < target and heap:
             _, node = heapq.heappop(heap)
-            if node not in self.tree.device_leaves:
+            if node not in leaves:
                 continue  # already gone, or pinned since the heap was built
             parent = node.parent
-            if self._evict_device_leaf(node, freed) and parent in self.tree.device_leaves:
+            if evict_leaf(node, freed) and parent in leaves:
                 heapq.heappush(heap, (self._leaf_order(parent), parent))
 
     def _evict_device_leaf(self, node: TreeNode, freed: list[int]) -> bool:
@@ -207,21 +227,15 @@ class Eviction:
     # -- host ----------------------------------------------------------------------------------
 
     def _evict_full_host(self, target: int, freed: list[int]) -> None:
-        heap = self._leaf_heap(self.tree.host_leaves)
-        while freed[0] < target and heap:
-            _, node = heapq.heappop(heap)
-            if node not in self.tree.host_leaves:
-                continue
-            parent = node.parent
-            self._evict_host_leaf(node, freed)
-            if parent in self.tree.host_leaves:
-                heapq.heappush(heap, (self._leaf_order(parent), parent))
+        self._evict_leaves(self.tree.host_leaves, self._evict_host_leaf, target, freed)
 
-    def _evict_host_leaf(self, node: TreeNode, freed: list[int]) -> None:
+    def _evict_host_leaf(self, node: TreeNode, freed: list[int]) -> bool:
+        """Delete a host leaf with all components (a host leaf always goes: True)."""
         for comp in self.tree.components:
             if node.host_value[comp.slot] is not None:
                 freed[comp.slot] += self.tree.clear_host(node, comp.slot)
         self.tree._detach(node)
+        return True
 
     def _evict_aux_host(self, comp: TreeComponent, target: int, freed: list[int]) -> None:
         s = comp.slot

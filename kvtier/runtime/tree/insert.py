@@ -78,7 +78,8 @@ class Inserter:
                 if cut is not None:
                     child = tree.split(child, cut)
                     n = cut
-            child.priority = max(child.priority, priority)
+            if priority > child.priority:
+                child.priority = priority
             if child.value[0] is None:
                 if pos < prev_prefix_len:
                     raise TreeIntegrityError(f"{child} is evicted inside the protected prefix")

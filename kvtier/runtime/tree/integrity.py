@@ -101,18 +101,26 @@ class Integrity:
         host_owned: list[list[torch.Tensor]],
     ) -> None:
         parent, P = node.parent, self.tree.page_size
+        page = self.tree._page_key(node)
+        short = page if type(page) is int else hash(page)
         if (
             not node.attached
-            or node.ckey != self.tree._child_key(node, node.key)
+            or node.ckey not in (short, page)
             or parent.children.get(node.ckey) is not node
         ):
             _fail(f"{node}: not linked from its parent {parent}")
+        for other in (parent.children.get(short), parent.children.get(page)):
+            if other is not None and other is not node and self.tree._page_key(other) == page:
+                _fail(f"{node} and {other}: two children of {parent} with the same first page")
         if not node.key or len(node.key) % P:
             _fail(f"{node}: key length {len(node.key)} is not a positive multiple of P={P}")
         if node.end != parent.end + len(node.key):
             _fail(f"{node}: end {node.end} != parent end {parent.end} + {len(node.key)}")
         if node.value[0] is None and node.host_value[0] is None:
             _fail(f"{node}: no FULL data on any tier")
+        for pins in (node.pins, node.host_pins):
+            if type(pins) is not tuple and not any(pins):
+                _fail(f"{node}: unpinned but keeps its own pin list {pins} (not zero_pins)")
         if node.value[0] is not None and parent.value[0] is None:
             _fail(f"{node}: on device under evicted parent {parent}")
         if (

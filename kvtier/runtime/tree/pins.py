@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvtier.runtime.tree.node import TreeNode
+from kvtier.runtime.tree.node import TreeNode, zero_pins
 from kvtier.runtime.tree.types import HostPinHandle, PinHandle, TreeIntegrityError
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ class Pins:
 
     def __init__(self, tree: UnifiedRadixTree) -> None:
         self.tree = tree
+        self._zeros = zero_pins(len(tree.components))  # an unpinned node's pins (node.py)
 
     def pin(self, node: TreeNode) -> PinHandle:
         """Pin ``node`` against device eviction; pass the handle back to ``unlock``.
@@ -38,9 +39,22 @@ class Pins:
         while x.parent is not None and x.value[0] is None:
             x = x.parent
         full_end, delta = x.end, 0
+        # ``tree.inc_pin(x, 0)`` inlined, books summed over the path (a scheduler pins a path
+        # per request): a node pinned for the first time takes its own pin list (node.py).
+        device_leaves = self.tree.device_leaves
         while x.parent is not None:
-            delta += self.tree.inc_pin(x, 0)
+            pins = x.pins
+            if pins[0]:
+                pins[0] += 1
+            else:
+                if type(pins) is tuple:
+                    pins = x.pins = list(pins)
+                pins[0] = 1
+                delta += len(x.key)
+                device_leaves.discard(x)
             x = x.parent
+        self.tree.evictable[0] -= delta
+        self.tree.protected[0] += delta
         swa_boundary, swa_skipped = None, ()
         if self.tree.swa is not None:
             swa_boundary, swa_skipped = self._pin_window(node, device=True)
@@ -63,13 +77,19 @@ class Pins:
         # make it a device leaf: only the counters change.
         x = x.parent
         evictable = 0
+        zeros = self._zeros
         while x.parent is not None:
-            count = x.pins[0] - 1
-            if count <= 0:
-                if count < 0:
-                    raise TreeIntegrityError(f"unpin of {x} component full: pin count would be -1")
+            pins = x.pins
+            count = pins[0] - 1
+            if count > 0:
+                pins[0] = count
+            elif count == 0:
+                # The shared zeros back (node.py); no aux pin outlives the FULL pin (an aux
+                # count never exceeds FULL's; check_integrity checks it).
+                x.pins = zeros
                 evictable += len(x.key)
-            x.pins[0] = count
+            else:
+                raise TreeIntegrityError(f"unpin of {x} component full: pin count would be -1")
             x = x.parent
         self.tree.evictable[0] += evictable
         self.tree.protected[0] -= evictable
@@ -124,12 +144,10 @@ class Pins:
         self.tree.host_leaves.discard(node)
 
     def dec_host_pin(self, node: TreeNode, slot: int) -> None:
-        count = node.host_pins[slot] - 1
+        count = node.drop_pin(slot, host=True)
         if count < 0:
-            raise TreeIntegrityError(
-                f"host unpin of {node} component {self.tree.components[slot].name}: count would be {count}"
-            )
-        node.own_host_pins()[slot] = count
+            name = self.tree.components[slot].name
+            raise TreeIntegrityError(f"host unpin of {node} component {name}: count would be -1")
         if count == 0:
             self.tree._update_leaf(node)
 

@@ -34,7 +34,7 @@ from kvtier.runtime.tree.components import (
     SWAComponent,
     TreeComponent,
 )
-from kvtier.runtime.tree.node import TreeNode, child_key
+from kvtier.runtime.tree.node import TreeNode, link_key, page_key
 from kvtier.runtime.tree.types import (
     Backup,
     EvictResult,
@@ -229,24 +229,23 @@ class UnifiedRadixTree:
 
     def inc_pin(self, node: TreeNode, slot: int) -> int:
         """Add one device pin of component ``slot``; returns the amount newly protected."""
-        if node.pins[slot]:
-            node.pins[slot] += 1
+        pins = node.pins
+        if pins[slot]:
+            pins[slot] += 1  # a pinned node owns its list
             return 0
         amount = self.components[slot].amount(node)
         self.evictable[slot] -= amount
         self.protected[slot] += amount
-        node.pins[slot] = 1
+        node.own_pins()[slot] = 1
         self.device_leaves.discard(node)
         return amount
 
     def dec_pin(self, node: TreeNode, slot: int) -> None:
         """Drop one device pin of component ``slot``."""
-        count = node.pins[slot] - 1
+        count = node.drop_pin(slot)
         if count < 0:
-            raise TreeIntegrityError(
-                f"unpin of {node} component {self.components[slot].name}: pin count would be {count}"
-            )
-        node.pins[slot] = count
+            name = self.components[slot].name
+            raise TreeIntegrityError(f"unpin of {node} component {name}: pin count would be -1")
         if count == 0:
             amount = self.components[slot].amount(node)
             self.protected[slot] -= amount
@@ -303,14 +302,17 @@ class UnifiedRadixTree:
 
     # -- structure --------------------------------------------------------------------------
 
-    def _child_key(self, node: TreeNode, key: list[int]) -> Hashable:
-        return child_key(key, 0, self.page_size, node.namespace, node.parent.parent is None)
+    def _page_key(self, node: TreeNode) -> Hashable:
+        """``node``'s page key (see node.py) under its parent."""
+        return page_key(node.key, 0, self.page_size, node.namespace, node.parent.parent is None)
 
     def _link(self, parent: TreeNode, node: TreeNode) -> None:
         """Enter ``node`` (whose ``parent`` is set) in ``parent.children``; the child key is kept
         on the node, so unlinking it needs no key slice."""
-        node.ckey = self._child_key(node, node.key)
-        parent.children[node.ckey] = node
+        children = parent.own_children()
+        page = page_key(node.key, 0, self.page_size, node.namespace, parent.parent is None)
+        node.ckey = link_key(children, page)
+        children[node.ckey] = node
 
     def split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut ``node`` after ``at`` tokens (page-aligned, inside the key); return the new upper
@@ -321,7 +323,7 @@ class UnifiedRadixTree:
         old_parent = node.parent
         upper = TreeNode(node.key[:at], old_parent, len(self.components), node.namespace)
         upper.ckey = node.ckey  # the same first page: the upper piece takes the node's place
-        old_parent.children[upper.ckey] = upper
+        old_parent.own_children()[upper.ckey] = upper
         node.key = node.key[at:]
         node.parent = upper
         self._link(upper, node)
@@ -357,7 +359,7 @@ class UnifiedRadixTree:
         """Remove a node with no device data and no children from the tree; keeps ``parent`` so
         that a handle on it can still walk up."""
         parent = node.parent
-        del parent.children[node.ckey]
+        del parent.own_children()[node.ckey]
         node.attached = False
         self.device_leaves.discard(node)
         self.host_leaves.discard(node)

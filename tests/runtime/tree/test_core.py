@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -109,7 +111,7 @@ def test_paged_keys(h: Harness) -> None:
     assert h.device_len(A + tail) == len(A)
     if P > 1:
         assert h.device_len(A[: P - 1]) == 0
-        child = h.tree.root.children[(None, tuple(A[:P]))]
+        (child,) = h.tree.root.children.values()
         assert child.key == A[: len(child.key)] and len(child.key) % P == 0
     other = A[:P] + h.tokens(1)
     assert h.device_len(other) == (0 if h.tree.mamba is not None else P)
@@ -214,6 +216,42 @@ def test_namespaces_separate_trees(h: Harness) -> None:
     assert h.device_len(A) == 0
     assert h.tree.match_prefix(A, "lora-1").device_len == len(A)
     assert h.tree.match_prefix(A, "lora-2").device_len == 0
+    h.check()
+
+
+def test_colliding_page_hashes_stay_apart(h: Harness) -> None:
+    """Children are keyed by their page's hash: pages whose hashes collide (ints equal modulo
+    the hash modulus hash alike, and so do tuples of them) stay distinct siblings through
+    insert, split, match, eviction of the one holding the hash, and reinsertion."""
+    M = sys.hash_info.modulus
+
+    def twin(tokens: list[int], k: int) -> list[int]:
+        return [tokens[0] + k * M, *tokens[1:]]
+
+    base, A = h.tokens(1), h.tokens(2)
+    for prefix in ([], base):  # siblings under the root (namespace in the key) and below it
+        h.insert(prefix + A)
+        h.insert(prefix + twin(A, 1))  # under ``base`` this also splits at the shared page
+        assert h.device_len(prefix + A) == h.device_len(prefix + twin(A, 1)) == len(prefix + A)
+        assert h.device_len(prefix + twin(A, 2)) == (len(prefix) if h.tree.mamba is None else 0)
+    assert len(h.tree.root.children) == 3
+    assert h.tree.match_prefix(A, 5 + M).device_len == 0  # a namespace of the same hash
+    h.insert(A, namespace=5)
+    assert h.tree.match_prefix(A, 5 + M).device_len == 0
+    assert h.tree.match_prefix(A, 5).device_len == len(A)
+    # Evict the root child that holds the hash (the oldest leaf); its twin stays reachable.
+    for seq in (base + A, base + twin(A, 1), twin(A, 1)):
+        h.tree.match_prefix(seq)
+    h.tree.match_prefix(A, 5)
+    assert h.tree.evict(full=len(A)).full == len(A)
+    h.check()
+    assert h.device_len(A) == 0 and h.device_len(twin(A, 1)) == len(A)
+    h.insert(twin(A, 2))  # takes the freed hash
+    h.insert(A)
+    for seq in (A, twin(A, 1), twin(A, 2), base + A, base + twin(A, 1)):
+        assert h.device_len(seq) == len(seq)
+    h.tree.evict(full=h.kv.size)
+    assert not h.tree.root.children
     h.check()
 
 

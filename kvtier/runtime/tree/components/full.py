@@ -55,4 +55,5 @@ class FullComponent(TreeComponent):
             parent.value[0], child.value[0] = value[:at], value[at:]
         if host is not None:
             parent.own_host_values()[0], child.own_host_values()[0] = host[:at], host[at:]
-        parent.pins[0] = child.pins[0]
+        if child.pins[0]:
+            parent.own_pins()[0] = child.pins[0]

@@ -170,7 +170,8 @@ class SWAComponent(TreeComponent):
                 self.host_lru[parent.id] = parent
                 self.host_lru.move_to_end(child.id)
         # A window pin covers consecutive nodes, so both pieces are inside it.
-        parent.pins[s] = child.pins[s]
+        if child.pins[s]:
+            parent.own_pins()[s] = child.pins[s]
         if child.host_pins[s]:
             parent.own_host_pins()[s] = child.host_pins[s]
 

@@ -225,12 +225,12 @@ def test_stranded_mamba_pin_raises_in_cascade(P: int, W: int) -> None:
     leaf = h.insert(A + B).last_node
     internal = leaf.parent
     m = h.tree.mamba.slot
-    internal.pins[0] += 1
-    internal.pins[m] += 1  # a Mamba-only pin without the SWA window: stranded
+    internal.own_pins()[0] += 1
+    internal.own_pins()[m] += 1  # a Mamba-only pin without the SWA window: stranded
     with pytest.raises(TreeIntegrityError, match="stranded"):
         h.tree.evict(swa=len(A))
-    leaf.pins[0] += 1
-    leaf.pins[m] += 1
+    leaf.own_pins()[0] += 1
+    leaf.own_pins()[m] += 1
     h.tree.evict_host()
     with pytest.raises(TreeIntegrityError, match="stranded"):
         h.tree.eviction._tombstone(leaf, h.tree.swa, [0, 0, 0], host=False)
