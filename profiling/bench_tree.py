@@ -346,6 +346,7 @@ def main() -> None:
     for code, r in rows:
         print(code, r)
     now = [r for code, r in rows if code == "now"]
+    os.makedirs(args.out, exist_ok=True)
     plot(now, f"{args.out}/bench_tree.png")
     load = os.getloadavg()
     lines = [
