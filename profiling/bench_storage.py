@@ -212,10 +212,12 @@ def store_cycle(
     shutil.rmtree(root)
 
 
-def single_process(work: Path, pool: torch.Tensor, total: int, repeats: int) -> list[Row]:
+def single_process(
+    work: Path, pool: torch.Tensor, total: int, repeats: int, sizes: tuple[int, ...] = PAGE_SIZES
+) -> list[Row]:
     src, dst = pool[:total], pool[total : 2 * total]
     rows = []
-    for page_bytes in PAGE_SIZES:
+    for page_bytes in sizes:
         ops = ("put", "get warm", "get cold", "put fsync/batch")
         raw = {op: Samples() for op in ops}
         st = {op: {s: Samples() for s in STORES} for op in ops}
@@ -286,9 +288,11 @@ def child(args: list[str]) -> None:
     print(f"get {seconds}", flush=True)
 
 
-def two_processes(work: Path, total: int, repeats: int) -> list[Row]:
+def two_processes(
+    work: Path, total: int, repeats: int, sizes: tuple[int, ...] = PAGE_SIZES
+) -> list[Row]:
     rows = []
-    for page_bytes in PAGE_SIZES:
+    for page_bytes in sizes:
         samples = {
             "raw": {"put": Samples(), "get": Samples()},
             "segment": {"put": Samples(), "get": Samples()},
@@ -358,13 +362,13 @@ def rebuild_seconds_per_million(work: Path, entries: int = 1_000_000, segments: 
     root.mkdir(mode=0o700)
     keys = page_hashes(torch.arange(entries * 16), NS)
     per = entries // segments
-    record = 48 + (64 << 10)
+    record = 64 << 10
     for s in range(segments):
         stem = f"{1000 + s}-{s:08x}-00000001"
         with open(root / f"{stem}.kvj", "wb") as f:
             f.write(
                 b"".join(
-                    encode_entry(Entry(f"{k}.kv.r0", j * record, 64 << 10, j + 1, j))
+                    encode_entry(Entry(f"{k}.kv.r0", j * record, 64 << 10, j, j, 1, j))
                     for j, k in enumerate(keys[s * per : (s + 1) * per])
                 )
             )
@@ -492,8 +496,24 @@ def main() -> None:
     p.add_argument("--total-mib", type=int, default=256, help="bytes per measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument(
+        "--pages",
+        type=int,
+        nargs="+",
+        default=[n >> 10 for n in PAGE_SIZES],
+        help="page object sizes in KiB (default: 64 256 2048)",
+    )
+    p.add_argument(
+        "--single-only",
+        action="store_true",
+        help="only the one-process rows (no two-process rows, no index rebuild): a quick check",
+    )
     args = p.parse_args()
+    sizes = tuple(n << 10 for n in args.pages)
+    if any(n <= 0 or (8 << 20) % (n << 10) for n in args.pages):
+        p.error(f"--pages must divide 8 MiB (one storage call), got {args.pages}")
     total = args.total_mib << 20
+    rebuild_us = None
     assert total % (2 * BATCH_BYTES) == 0, "--total-mib must be a multiple of 16"
     load0 = os.getloadavg()
     rows: list[Row] = []
@@ -507,10 +527,11 @@ def main() -> None:
             how_cold = drop_caches(work)
             fs = command_output(["findmnt", "-no", "FSTYPE", "-T", str(work)]) or str(directory)
             fs = fs.splitlines()[0]
-            here = single_process(work, pool, total, args.repeats)
-            here += two_processes(work, total, args.repeats)
+            here = single_process(work, pool, total, args.repeats, sizes)
+            if not args.single_only:
+                here += two_processes(work, total, args.repeats, sizes)
             rows += [dataclasses.replace(r, where=fs) for r in here]
-            if i == 0:
+            if i == 0 and not args.single_only:
                 rebuild_us = rebuild_seconds_per_million(work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -535,14 +556,15 @@ def main() -> None:
         "",
     ]
     lines += table(rows, total)
-    lines += [
-        "",
-        (
-            f"Index rebuild at start-up (1M synthetic journal entries, cold cache): "
-            f"{rebuild_us:.2f} s per million pages."
-        ),
-        "",
-    ]
+    if rebuild_us is not None:
+        lines += [
+            "",
+            (
+                f"Index rebuild at start-up (1M synthetic journal entries, cold cache): "
+                f"{rebuild_us:.2f} s per million pages."
+            ),
+        ]
+    lines.append("")
     (args.out / "bench_storage.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -350,12 +350,13 @@ class TieredKVCache:
         return self._storage.detach(graceful, timeout_s)
 
     def clear_storage(self) -> StorageChange:
-        """Remove the pages of the attached backend, in the first ``poll`` at which every TP
-        rank asked: whatever the backend's ``clear`` removes (``file_per_page``: the pages it
-        indexed; ``file``: every segment of the root no live writer holds; ``mooncake``: every
-        object of the cluster), and the cache forgets which pages it wrote. Writes still in
-        flight may land afterwards. A backend whose ``clear`` raises ends the change
-        ``FAILED`` with the error (counted); the cache keeps working."""
+        """Remove the pages this cache wrote to the attached backend, in the first ``poll`` at
+        which every TP rank asked: through the backend's per-key ``delete`` (the latest million
+        pages the tier remembers writing; other caches' pages on a shared store stay), or, for a
+        backend without ``delete``, whatever its ``clear`` removes; the cache forgets which pages
+        it wrote. Writes still in flight may land afterwards. Pages that could not be removed,
+        or a ``clear`` that raises, end the change ``FAILED`` with the error (counted); the cache
+        keeps working."""
         return self._storage.clear()
 
     def start_loading(self) -> bool:

@@ -229,11 +229,13 @@ class StorageBackend(ABC):
 
     Rules every backend keeps:
 
-    * Thread-safe: ``exists``, ``get``, ``set`` and ``clear`` may run concurrently from any threads.
+    * Thread-safe: ``exists``, ``get``, ``set``, ``delete`` and ``clear`` may run concurrently
+      from any threads.
     * Zero-copy: page bytes go straight between the caller's page buffers and the store (a
       syscall's or the transport's own buffer); no intermediate Python copy on the hot path.
-    * Every stored object carries a header with a checksum of its payload and a digest of its key
-      (``page_format``). A read that fails verification is a miss: it is counted in
+    * Every stored object carries a checksum of its payload, bound to its key: a header with the
+      checksum and a digest of the key (``page_format``), or, in the segment store, the journal
+      entry that names the key. A read that fails verification is a miss: it is counted in
       ``TierMetrics.add_checksum_miss``, the page is reported as failed, and the stored object
       is dropped so a later backup can rewrite it.
     * Failures are reported per page, never raised: an unreachable or dying store makes the
@@ -266,6 +268,12 @@ class StorageBackend(ABC):
     @abstractmethod
     def clear(self) -> None:
         """Remove every object this backend stored."""
+
+    def _delete(self, object_keys: list[str]) -> list[bool]:
+        """Remove each object; per key whether it is gone now (removed, or absent already).
+        A backend that cannot remove single objects leaves this out (``delete`` then raises
+        ``NotImplementedError``)."""
+        raise NotImplementedError
 
     def register_host_buffer(self, buffer: torch.Tensor) -> None:
         """Declare a host memory region (a whole host pool) that page buffers will view.
@@ -324,6 +332,35 @@ class StorageBackend(ABC):
                 self.metrics.add_failed_pages(Direction.WRITE, failed)
             return BatchResult(ok)
         return self._move(transfers, Direction.WRITE)
+
+    def delete(self, transfers: Sequence[PoolTransfer]) -> BatchResult:
+        """Remove every listed page (``keys`` only; ``pages`` are not used); per page whether it
+        is gone now: removed, or not stored to begin with. A malformed key fails its own page
+        (``False``), as in ``get``/``set``; a page the store could not remove is ``False`` too.
+        Writes in flight may land afterwards. Under a rank-replicated ``KeyScope`` only rank 0
+        removes (another rank removes nothing and reports success, as ``set`` writes nothing).
+
+        ``NotImplementedError`` where the backend cannot remove single pages (use ``clear``).
+        """
+        if type(self)._delete is StorageBackend._delete:
+            raise NotImplementedError(f"storage backend {self.name!r} cannot delete single pages")
+        self._check_pools(transfers)
+        names = [k for t in transfers for k in self._object_keys(t)]
+        keys = [k for k in names if k is not None]
+        gone = iter([True] * len(keys))
+        if self.scope.writes and keys:
+            try:
+                gone = iter(self._delete(keys))
+            except Exception:
+                log.exception("%s: delete of %d pages failed", self.name, len(keys))
+                gone = iter([False] * len(keys))
+        done = [k is not None and bool(next(gone)) for k in names]
+        out: dict[str, list[bool]] = {}
+        start = 0
+        for t in transfers:
+            out[t.pool] = done[start : start + len(t.keys)]
+            start += len(t.keys)
+        return BatchResult(out)
 
     # -- shared plumbing ---------------------------------------------------------------------------
 

@@ -481,6 +481,22 @@ class FilePerPageBackend(StorageBackend):
         except OSError as e:  # e.g. a directory now stands there: nothing of ours to remove
             log.warning("file backend: could not remove %r in %s: %s", name, self.root, e)
 
+    def _delete(self, object_keys: list[str]) -> list[bool]:
+        """Unlink each key's page file (never following a symlink); a key with no file is gone
+        already."""
+        out = []
+        for key in object_keys:
+            self._drop(key)
+            try:
+                os.unlink(key + _SUFFIX, dir_fd=self._dirfd)
+                out.append(True)
+            except FileNotFoundError:
+                out.append(True)
+            except OSError as e:  # a read-only root, or a directory standing at the name
+                log.warning("file backend: could not remove %r in %s: %s", key, self.root, e)
+                out.append(False)
+        return out
+
     def clear(self) -> None:
         """Delete every page file in the index (writes still in flight may land afterwards)."""
         with self._mutex:

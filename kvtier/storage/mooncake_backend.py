@@ -91,6 +91,7 @@ _PARKED: list[object] = []  # clients of dead masters: their teardown would bloc
 _RPC_FAIL = -900
 _UNAVAILABLE_IN_CURRENT_STATUS = -1010
 _NO_AVAILABLE_HANDLE = -200
+_OBJECT_NOT_FOUND = -704
 _UNANSWERED = frozenset({_RPC_FAIL, _UNAVAILABLE_IN_CURRENT_STATUS})  # the master did not answer
 
 
@@ -482,6 +483,14 @@ class MooncakeBackend(StorageBackend):
             if since is not None and self._clock() - since < self._retry.budget_s:
                 return _Put.RETRY
         return _Put.FAILED
+
+    def _delete(self, object_keys: list[str]) -> list[bool]:
+        """``batch_remove`` (forced, like ``clear``: leases held by readers elsewhere do not keep
+        a page); an object the master does not know is gone already."""
+        codes = self._call(lambda: self._store.batch_remove(object_keys, True))
+        if codes is None or len(codes) != len(object_keys):
+            return [False] * len(object_keys)
+        return [c == 0 or c == _OBJECT_NOT_FOUND for c in codes]
 
     def clear(self) -> None:
         """Remove every object in the Mooncake cluster this client talks to (not just ours)."""

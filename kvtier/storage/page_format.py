@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -33,13 +34,17 @@ Buffer = bytes | bytearray | memoryview
 
 __all__ = [
     "HEADER_SIZE",
+    "XXH3",
     "PageViews",
+    "Xxh3Stream",
     "buffer_of",
     "buffers_of",
+    "checksum_matches",
     "make_header",
+    "payload_checksum",
     "payload_length",
     "verify",
-    "verify_at",
+    "xxh3_stream",
 ]
 
 HEADER_SIZE = 32
@@ -83,6 +88,45 @@ try:
     _from_buffer = ctypes.c_char.from_buffer
     _addressof = ctypes.addressof
 
+    def _xxh3_stream_api() -> tuple[Callable[..., int], ...] | None:
+        """The binding library's streaming XXH3-64 calls (create, free, reset, update, digest)
+        through ``ctypes`` (GIL-free), or None where they are missing or disagree with the
+        binding's one-shot digest (checked on inputs fed in uneven pieces)."""
+        if _NOGIL is None:
+            return None
+        try:
+            lib = ctypes.CDLL(xxhash._xxhash.__file__)
+            create, free = lib.XXH3_createState, lib.XXH3_freeState
+            reset, digest = lib.XXH3_64bits_reset, lib.XXH3_64bits_digest
+            update = getattr(lib, "XXH3_64bits_update_dispatch", None) or lib.XXH3_64bits_update
+        except (OSError, AttributeError):
+            return None
+        vp, size = ctypes.c_void_p, ctypes.c_size_t
+        create.restype, create.argtypes = vp, ()
+        free.restype, free.argtypes = ctypes.c_int, (vp,)
+        reset.restype, reset.argtypes = ctypes.c_int, (vp,)
+        update.restype, update.argtypes = ctypes.c_int, (vp, vp, size)
+        digest.restype, digest.argtypes = ctypes.c_uint64, (vp,)
+        state = create()
+        if not state:
+            return None
+        try:
+            for n in (1, 240, 241, 1000, 65536, 300_007):
+                data = (ctypes.c_ubyte * n).from_buffer_copy(bytes(i * 13 % 251 for i in range(n)))
+                reset(state)
+                at, base = 0, ctypes.addressof(data)
+                for piece in (7, 1024, 65536, n):  # uneven pieces cross the stripe boundaries
+                    take = min(piece, n - at)
+                    update(state, base + at, take)
+                    at += take
+                if at != n or digest(state) != xxhash.xxh3_64_intdigest(data):
+                    return None
+        finally:
+            free(state)
+        return create, free, reset, update, digest
+
+    _STREAM = _xxh3_stream_api()
+
     def _xxh3_one(part: Buffer) -> int:
         """XXH3-64 of one buffer; without the GIL where possible (a writable, contiguous, non-empty
         one: ``part`` keeps the memory alive through the call)."""
@@ -99,6 +143,12 @@ try:
     def _xxh3(parts: Sequence[Buffer]) -> int:
         if len(parts) == 1:
             return _xxh3_one(parts[0])
+        if all(isinstance(p, memoryview) for p in parts):
+            stream = xxh3_stream(parts)  # GIL-free (a page_first page's K and V ranges)
+            if stream is not None:
+                for p in parts:
+                    stream.update(p)  # type: ignore[arg-type]
+                return stream.digest()
         h = xxhash.xxh3_64()
         for part in parts:
             h.update(part)
@@ -108,6 +158,79 @@ try:
     _DEFAULT = _XXH3
 except ImportError:  # pragma: no cover - depends on the environment
     _DEFAULT = _CRC32
+    _STREAM = None
+
+
+class Xxh3Stream:
+    """XXH3-64 of a payload fed in pieces by address, without the GIL: a piece can be hashed
+    right after it was read or before it is written, while it is still in the core's cache.
+
+    One per thread (``xxh3_stream``); the memory fed must stay alive through each ``update``.
+    """
+
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        if _STREAM is None:
+            raise RuntimeError("streaming XXH3 through ctypes is not available")
+        self._state = _STREAM[0]()
+        if not self._state:
+            raise MemoryError("XXH3_createState failed")
+
+    def reset(self) -> None:
+        _STREAM[2](self._state)  # type: ignore[index]
+
+    def update(self, part: memoryview) -> None:
+        """Hash ``part`` next: a writable, contiguous memoryview (its address is taken)."""
+        if part.nbytes:
+            update = _STREAM[3]  # type: ignore[index]
+            update(self._state, _addressof(_from_buffer(part)), part.nbytes)
+
+    def digest(self) -> int:
+        return _STREAM[4](self._state)  # type: ignore[index]
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", None) and _STREAM is not None:
+            _STREAM[1](self._state)
+
+
+_streams = threading.local()
+
+
+def xxh3_stream(parts: Sequence[memoryview]) -> Xxh3Stream | None:
+    """This thread's ``Xxh3Stream``, reset, if it can hash ``parts`` (writable, contiguous
+    memoryviews) and pages are written with XXH3; else None (the caller hashes the whole payload
+    the usual way). There is one per thread: its user finishes a digest before hashing another
+    payload."""
+    if _STREAM is None or _DEFAULT != _XXH3:
+        return None
+    for p in parts:
+        if p.readonly or not p.c_contiguous:
+            return None
+    s = getattr(_streams, "s", None)
+    if s is None:
+        s = _streams.s = Xxh3Stream()
+    s.reset()
+    return s
+
+
+XXH3 = _XXH3
+"""The algorithm byte of XXH3-64 (what ``Xxh3Stream`` computes)."""
+
+
+def payload_checksum(parts: Sequence[memoryview]) -> tuple[int, int]:
+    """(algorithm, checksum) of the payload ``parts`` (concatenated), with the default
+    algorithm (XXH3-64 without the GIL where possible)."""
+    return _DEFAULT, _ALGORITHMS[_DEFAULT](parts)
+
+
+def checksum_matches(algorithm: int, checksum: int, parts: Sequence[memoryview]) -> bool:
+    """Whether the payload ``parts`` hashes to ``checksum`` under ``algorithm`` (one this
+    process lacks never matches)."""
+    if algorithm == _DEFAULT == _XXH3 and len(parts) == 1:  # the read path's case: fewer calls
+        return _xxh3_one(parts[0]) == checksum
+    digest = _ALGORITHMS.get(algorithm)
+    return digest is not None and digest(parts) == checksum
 
 
 def buffer_of(page: torch.Tensor) -> memoryview:
@@ -131,6 +254,13 @@ class PageViews:
         # id(storage) -> (storage, a view of all of it); the storage stays referenced here so
         # that its id cannot be reused while the entry exists.
         self._whole: dict[int, tuple[torch.UntypedStorage, memoryview]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def counts(self) -> list[int]:
+        """How many parts each page has."""
+        return [len(parts) for parts in self._pages]
 
     def lengths(self) -> list[int]:
         """Each page's length in bytes."""
@@ -188,22 +318,6 @@ def verify(header: Buffer, key: str, parts: Sequence[memoryview]) -> bool:
         and key_digest == digest([key.encode()])
         and checksum == digest(parts)
     )
-
-
-def verify_at(buf: Buffer, offset: int, key: str, parts: Sequence[memoryview], length: int) -> bool:
-    """``verify`` of the header at ``buf[offset:]`` for a payload of ``length`` bytes (the sum of
-    the parts' sizes, which the caller knows): the read path's variant, with no slicing."""
-    magic, version, algorithm, _, declared, key_digest, checksum = _HEADER.unpack_from(buf, offset)
-    if magic != _MAGIC or version != _VERSION or declared != length:
-        return False
-    digest = _ALGORITHMS.get(algorithm)
-    if digest is None:
-        return False
-    if algorithm == _XXH3 and len(parts) == 1:  # the common case without the list wrapping
-        return key_digest == xxhash.xxh3_64_intdigest(key.encode()) and checksum == _xxh3_one(
-            parts[0]
-        )
-    return key_digest == digest([key.encode()]) and checksum == digest(parts)
 
 
 def payload_length(header: Buffer) -> int | None:

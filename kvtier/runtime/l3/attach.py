@@ -8,6 +8,10 @@ requested it, and not before; each rank holds at most one pending change. Ranks 
 different changes (attach on one, clear on another) have both refused at that poll
 (``ChangeOutcome.REFUSED``, counted), and their books stay as they were.
 
+Clear removes the pages this cache wrote (those its tier remembers as stored) with the backend's
+per-page ``delete``, so other caches' pages in a shared store stay; a backend that cannot delete
+single pages is cleared whole. Pages a rank could not remove end its change ``FAILED``.
+
 States of the tier (``StorageSwitch.state``)::
 
     detached --attach agreed--> attached --graceful detach agreed--> draining
@@ -46,7 +50,7 @@ import torch
 from kvtier.runtime.config import CacheConfig, StorageConfig
 from kvtier.runtime.l3.tier import L3Tier
 from kvtier.runtime.l3.votes import Control, decode_control, encode_poll, l3_part
-from kvtier.storage import StorageBackend, page_hashes
+from kvtier.storage import PoolTransfer, StorageBackend, page_hashes
 
 if TYPE_CHECKING:
     from kvtier.runtime.controller import CacheController
@@ -74,7 +78,7 @@ class ChangeOutcome(str, Enum):
     APPLIED = "applied"
     FORCED_AFTER_TIMEOUT = "forced_after_timeout"  # a graceful detach ran out of time
     REFUSED = "refused"  # the ranks asked for different changes
-    FAILED = "failed"  # the backend's clear raised (``StorageChange.error``)
+    FAILED = "failed"  # pages not removed, or the backend raised (``StorageChange.error``)
 
 
 @dataclass(eq=False)
@@ -284,17 +288,27 @@ class StorageSwitch:
 
     def _clear(self, ch: StorageChange) -> None:
         tier = self.tier
+        # The pages this cache wrote (the tier remembers the latest ``_STORED_MEMORY``), read
+        # before the tier forgets them; other caches' pages in the same store stay.
+        pages: dict[str, list[str]] = {}
+        for pool, h in tier.stored_pages():
+            pages.setdefault(pool, []).append(h)
         tier.forget_stored()
+        error = None
         try:
-            if tier.backend.scope.writes:  # rank-replicated: rank 0 stores (and clears) alone
-                tier.backend.clear()
+            failed = _remove(tier.backend, pages)
+            if failed:
+                error = f"{failed} of this cache's pages could not be removed"
+                log.warning("storage: clear incomplete: %s", error)
         except Exception as e:  # the agreed step must complete on every rank: report, go on
             log.exception("storage: clear failed")
-            self.counters["storage_clear_failed"] += 1
-            ch._finish(ChangeOutcome.FAILED, f"{type(e).__name__}: {e}")
-        else:
+            error = f"{type(e).__name__}: {e}"
+        if error is None:
             self.counters["storage_cleared"] += 1
             ch._finish(ChangeOutcome.APPLIED)
+        else:
+            self.counters["storage_clear_failed"] += 1
+            ch._finish(ChangeOutcome.FAILED, error)
         if self.tree.events is not None:
             self.tree.events.cleared(_STORAGE)
 
@@ -327,6 +341,27 @@ class StorageSwitch:
             self.pending.tier = None
         if self.tier is not None:
             self.tier.close()
+
+
+_DELETE_BATCH = 4096  # pages per delete call
+
+
+def _remove(backend: StorageBackend, pages: dict[str, list[str]]) -> int:
+    """Delete ``pages`` (pool -> page hashes) from ``backend``, a batch at a time; the pages it
+    could not remove. A backend that cannot remove single pages is cleared whole instead."""
+    try:
+        backend.delete([])  # refused at once by a backend that cannot delete single pages
+    except NotImplementedError:
+        log.warning("storage: %s cannot delete single pages; clearing all of it", backend.name)
+        if backend.scope.writes:  # rank-replicated: rank 0 stores (and clears) alone
+            backend.clear()
+        return 0
+    failed = 0
+    for pool, hashes in pages.items():
+        for lo in range(0, len(hashes), _DELETE_BATCH):
+            ok = backend.delete([PoolTransfer(pool, hashes[lo : lo + _DELETE_BATCH])]).ok[pool]
+            failed += len(ok) - sum(ok)
+    return failed
 
 
 def drop_stale_hashes(tree: UnifiedRadixTree, tier: L3Tier) -> int:

@@ -525,6 +525,11 @@ class L3Tier:
             self.abort(op)
             self.counters["prefetch_revoked_detach"] += 1
 
+    def stored_pages(self) -> list[tuple[str, str]]:
+        """The (pool, page hash) pairs this tier remembers writing, oldest first (the latest
+        ``_STORED_MEMORY``)."""
+        return list(self._stored)
+
     def forget_stored(self) -> None:
         """The store was cleared: forget which pages it holds, including those of jobs in
         flight (a page written before the clear and acknowledged after it is gone)."""

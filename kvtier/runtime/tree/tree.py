@@ -368,8 +368,6 @@ class UnifiedRadixTree:
             comp.host_lru.pop(node.id, None)
         self._update_leaf(parent)
 
-    # -- insert -----------------------------------------------------------------------------
-
     # -- the parts' calls ----------------------------------------------------------------------
 
     def insert(

@@ -20,7 +20,7 @@ import fcntl
 import logging
 import os
 
-from kvtier.storage.segments.format import RECORD_HEAD, record_ok
+from kvtier.storage.page_format import checksum_matches
 from kvtier.storage.segments.index import Index, Loc, Segment
 from kvtier.storage.segments.io import read_all
 from kvtier.storage.segments.root import open_regular
@@ -92,23 +92,19 @@ class Compactor:
         ``OSError`` when a record cannot be read or appended: the segment then stays."""
         if not live:
             return 0, 0
-        buf = memoryview(bytearray(sum(RECORD_HEAD + loc.length for _, loc in live)))
+        buf = memoryview(bytearray(sum(loc.length for _, loc in live)))
         keys, parts, lengths, bad = [], [], [], []
         at = 0
         for key, loc in live:
-            head, payload = (
-                buf[at : at + RECORD_HEAD],
-                buf[at + RECORD_HEAD : at + RECORD_HEAD + loc.length],
-            )
-            want = RECORD_HEAD + loc.length
-            got = read_all(fd, [head, payload], loc.offset, want)
-            if got == want and record_ok(buf, at, loc.seq, key, [payload], loc.length, False):
+            payload = buf[at : at + loc.length]
+            got = read_all(fd, [payload], loc.offset, loc.length)
+            if got == loc.length and checksum_matches(loc.algorithm, loc.checksum, [payload]):
                 keys.append(key)
                 parts.append([payload])
                 lengths.append(loc.length)
             else:
                 bad.append((key, loc))
-            at += want
+            at += loc.length
         with self._index.mutex:
             for key, loc in bad:
                 self._index.drop_locked(key, loc)

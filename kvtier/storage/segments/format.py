@@ -1,31 +1,31 @@
 """The segment store's on-disk encodings, both halves of each: records and journal entries.
 
-A segment file ``<stem>.kvs`` is a run of records, each::
-
-    offset size field
-    0      4    magic b"KVSR"
-    4      4    reserved, zero
-    8      8    sequence number (per writer, from 1; the journal entry names it too)
-    16     32   page header (``page_format``: magic, version, algorithm, payload length, key
-                digest, payload checksum)
-    48     n    the page payload, unchanged
+A segment file ``<stem>.kvs`` is a run of records, each the page payload alone, unchanged, back
+to back: a payload whose size is a multiple of 4 KiB starts at a 4 KiB-aligned file offset, so
+the kernel copies between the page cache and the caller's (page-aligned) buffers aligned, which
+on the measured hosts costs 11-21% less CPU than at an offset 48 bytes off (a per-record head).
 
 Its journal ``<stem>.kvj`` lists the records that were written completely, appended after their
-bytes, one entry each::
+bytes, one entry each, with what verifies the record::
 
     offset size field
-    0      4    magic b"KVSJ"
+    0      4    magic b"KVS2"
     4      2    key length k (at most ``MAX_KEY_LENGTH``)
-    6      2    reserved, zero
-    8      8    offset of the record in the segment
-    16     8    payload length
-    24     8    sequence number
-    32     8    write time (ns since the epoch): the newest record of a key wins
+    6      1    flags: bit 0 set for a tombstone (the key was deleted; no record), others zero
+    7      1    checksum algorithm (``page_format``: 1 = XXH3-64, 2 = CRC-32; 0 for a tombstone)
+    8      8    offset of the record in the segment (0 for a tombstone)
+    16     8    payload length (0 for a tombstone)
+    24     8    checksum of the payload (0 for a tombstone)
+    32     8    write time (ns since the epoch): the newest record or tombstone of a key wins
     40     4    CRC-32 of bytes 0..40 and the key
     44     k    the object key (ASCII)
 
-An entry whose CRC fails ends the journal for its reader (a torn tail); the reader resumes there
-on its next look, since a live writer's entry may still be landing.
+An entry's place in its journal is its sequence number (from 0): with the segment and the
+write time it orders two entries of one key. An entry whose CRC fails ends the journal for its
+reader (a torn tail); the reader resumes there on its next look, since a live writer's entry may
+still be landing. The key and the payload's checksum sit in one CRC-checked entry, so a record
+is served only when its bytes hash to what was journaled for that key: a torn record, another
+key's record copied in or bytes never written (a preallocated hole) fail.
 """
 
 from __future__ import annotations
@@ -35,83 +35,63 @@ import zlib
 from typing import NamedTuple
 
 from kvtier.storage.base import MAX_KEY_LENGTH
-from kvtier.storage.page_format import HEADER_SIZE, verify_at
 
 __all__ = [
     "ENTRY_SIZE",
-    "PREFIX_SIZE",
     "RECORD_HEAD",
     "Entry",
     "encode_entry",
+    "foreign_journal",
     "parse_entries",
-    "prefix_matches",
-    "record_ok",
-    "record_prefix",
 ]
 
-_RECORD_MAGIC = b"KVSR"
-_JOURNAL_MAGIC = b"KVSJ"
-_PREFIX = struct.Struct("<4sIQ")
-_ENTRY = struct.Struct("<4sHHQQQQ")
+_JOURNAL_MAGIC = b"KVS2"  # the first format's journals (b"KVSJ") are not read: never served
+_ENTRY = struct.Struct("<4sHBBQQQQ")
 _CRC = struct.Struct("<I")
-_ENTRY_CRC = struct.Struct("<4sHHQQQQI")  # an entry's fixed part with its CRC, read at once
-PREFIX_SIZE = _PREFIX.size
-RECORD_HEAD = PREFIX_SIZE + HEADER_SIZE
-"""Bytes before a record's payload: the prefix, then the page header."""
+_ENTRY_CRC = struct.Struct("<4sHBBQQQQI")  # an entry's fixed part with its CRC, read at once
+_TOMBSTONE = 1  # flags bit: a deletion
+RECORD_HEAD = 0
+"""Bytes before a record's payload in its segment: none (what verifies it is journaled)."""
 ENTRY_SIZE = _ENTRY.size + _CRC.size
 """Bytes of a journal entry before its key."""
 
 
 class Entry(NamedTuple):
-    """One journal entry: where the record of ``key`` lies in its segment, and when it was made."""
+    """One journal entry: where the record of ``key`` lies in its segment, its checksum, and when
+    it was made; or, with ``deleted``, a tombstone: ``key``'s records older than it are dead."""
 
     key: str
     offset: int
     length: int  # payload bytes
-    seq: int
+    seq: int  # the entry's place in its journal
     time_ns: int
-
-
-def record_prefix(seq: int) -> bytes:
-    return _PREFIX.pack(_RECORD_MAGIC, 0, seq)
-
-
-def prefix_matches(prefix: memoryview | bytes, seq: int) -> bool:
-    """Whether ``prefix`` opens the record with sequence number ``seq``."""
-    magic, _, got = _PREFIX.unpack(prefix)
-    return magic == _RECORD_MAGIC and got == seq
-
-
-def record_ok(
-    heads: memoryview,
-    at: int,
-    seq: int,
-    key: str,
-    parts: list[memoryview],
-    length: int,
-    trusted: bool,
-) -> bool:
-    """Whether the record head at ``heads[at:]`` (prefix and page header, as read) opens record
-    ``seq`` of ``key`` and, unless ``trusted``, the payload ``parts`` (``length`` bytes) verifies
-    against it."""
-    magic, _, got = _PREFIX.unpack_from(heads, at)
-    if magic != _RECORD_MAGIC or got != seq:
-        return False
-    return trusted or verify_at(heads, at + PREFIX_SIZE, key, parts, length)
+    algorithm: int = 0  # page_format's checksum algorithm
+    checksum: int = 0
+    deleted: bool = False
 
 
 def encode_entry(e: Entry) -> bytes:
     key = e.key.encode("ascii")
-    body = _ENTRY.pack(_JOURNAL_MAGIC, len(key), 0, e.offset, e.length, e.seq, e.time_ns)
+    flags = _TOMBSTONE if e.deleted else 0
+    body = _ENTRY.pack(
+        _JOURNAL_MAGIC, len(key), flags, e.algorithm, e.offset, e.length, e.checksum, e.time_ns
+    )
     return body + _CRC.pack(zlib.crc32(key, zlib.crc32(body))) + key
 
 
-def parse_entries(buf: bytes) -> tuple[list[Entry], int]:
-    """The complete, valid entries at the start of ``buf``, and how many bytes they take.
+def foreign_journal(head: bytes) -> bool:
+    """Whether a journal starting with ``head`` is of another format (the first one's, say),
+    whose entries this store never reads: not worth reading again."""
+    return len(head) >= len(_JOURNAL_MAGIC) and head[: len(_JOURNAL_MAGIC)] != _JOURNAL_MAGIC
 
-    Parsing stops at the first entry that is cut short, fails its CRC or holds a key that is not
-    ASCII. Keys are not checked further: the store only compares them with object keys that
-    ``StorageBackend`` validated, and never turns them into paths.
+
+def parse_entries(buf: bytes, seq: int = 0) -> tuple[list[Entry], int]:
+    """The complete, valid entries at the start of ``buf``, numbered from ``seq`` (the place of
+    the first in its journal), and how many bytes they take.
+
+    Parsing stops at the first entry that is cut short, fails its CRC, has unknown flags or holds
+    a key that is not ASCII. Keys are not checked further: the store only compares them with
+    object keys that ``StorageBackend`` validated, and never turns them into paths.
     """
     out: list[Entry] = []
     pos, end = 0, len(buf)
@@ -119,9 +99,9 @@ def parse_entries(buf: bytes) -> tuple[list[Entry], int]:
     unpack, crc32, head = _ENTRY_CRC.unpack_from, zlib.crc32, _ENTRY.size
     new = tuple.__new__
     while pos + ENTRY_SIZE <= end:
-        magic, klen, _, offset, length, seq, time_ns, crc = unpack(buf, pos)
+        magic, klen, flags, algorithm, offset, length, checksum, time_ns, crc = unpack(buf, pos)
         stop = pos + ENTRY_SIZE + klen
-        if magic != _JOURNAL_MAGIC or klen > MAX_KEY_LENGTH or stop > end:
+        if magic != _JOURNAL_MAGIC or klen > MAX_KEY_LENGTH or stop > end or flags & ~_TOMBSTONE:
             break
         if crc != crc32(view[pos + ENTRY_SIZE : stop], crc32(view[pos : pos + head])):
             break
@@ -129,6 +109,7 @@ def parse_entries(buf: bytes) -> tuple[list[Entry], int]:
             key = buf[pos + ENTRY_SIZE : stop].decode("ascii")
         except UnicodeDecodeError:
             break
-        out.append(new(Entry, (key, offset, length, seq, time_ns)))
+        out.append(new(Entry, (key, offset, length, seq, time_ns, algorithm, checksum, flags != 0)))
+        seq += 1
         pos = stop
     return out, pos

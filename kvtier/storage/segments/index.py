@@ -1,10 +1,11 @@
 """The segment store's books in one process: which record serves each key, the segments it knows,
 their read descriptors, and catching up with what other processes wrote.
 
-Index. ``key -> Loc(segment, offset, length, seq, time)`` in memory, rebuilt at start-up by reading
-every journal. When two records carry one key the newest (journal time, then segment name, then
-sequence number) wins; the other is dead. Each segment counts its live records and their bytes, so
-eviction can prefer dead segments and compaction can find half-dead ones.
+Index. ``key -> Loc(segment, offset, length, seq, time, checksum)`` in memory, rebuilt at start-up
+by reading every journal. When two records carry one key the newest (journal time, then segment
+name, then sequence number: the entry's place in its journal) wins; the other is dead. A tombstone
+(``delete``) newer than a key's records kills them. Each segment counts its live records and their
+bytes, so eviction can prefer dead segments and compaction can find half-dead ones.
 
 Other processes. Every call checks the root's mtime (one ``fstat``) and lists the root when it
 changed; a call with a key the index lacks also reads what the other writers' latest journals
@@ -32,7 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-from kvtier.storage.segments.format import RECORD_HEAD, Entry, parse_entries
+from kvtier.storage.segments.format import Entry, foreign_journal, parse_entries
 from kvtier.storage.segments.root import open_regular
 
 __all__ = ["NAME", "Index", "Loc", "Segment"]
@@ -52,6 +53,7 @@ class Segment:
     """One segment file as this process sees it."""
 
     __slots__ = (
+        "count",
         "end",
         "fd",
         "gone",
@@ -72,6 +74,7 @@ class Segment:
         self.fd = fd  # read descriptor, -1 while closed (the writer's own while it appends)
         self.jfd = jfd  # journal descriptor while tailing another writer's journal, else None
         self.jpos = 0  # journal bytes parsed
+        self.count = 0  # journal entries parsed (the next one's sequence number)
         self.keys: list[str] = []  # every key journaled here (to forget them when it goes)
         self.live = 0  # index entries pointing here
         self.live_bytes = 0  # their record bytes
@@ -96,6 +99,8 @@ class Loc(NamedTuple):
     seq: int
     time_ns: int
     trusted: bool  # seen written completely or verified by this process ("once" rule only)
+    algorithm: int  # of the payload checksum (``page_format``)
+    checksum: int
 
 
 class Index:
@@ -107,6 +112,9 @@ class Index:
         self.root, self._dirfd, self.writer = root, dirfd, writer
         self.mutex = threading.Lock()
         self.entries: dict[str, Loc] = {}
+        # key -> (time, segment, seq) of its newest tombstone (``Entry.deleted``): records not
+        # newer than it are dead. Kept while the segment whose journal holds it exists.
+        self.tombs: dict[str, tuple[int, str, int]] = {}
         self.segments: dict[str, Segment] = {}
         self.active: Segment | None = None  # this process's segment being appended to
         self._open: OrderedDict[str, Segment] = OrderedDict()  # open read descriptors, LRU first
@@ -164,7 +172,7 @@ class Index:
         for seg in self.segments.values():
             if seg.jfd is not None:
                 self._tail_locked(seg)
-                if seg.number < latest[seg.writer]:
+                if seg.jfd is not None and seg.number < latest[seg.writer]:
                     # Its writer moved on: the journal is final.
                     os.close(seg.jfd)
                     seg.jfd = None
@@ -176,9 +184,14 @@ class Index:
             while size > seg.jpos:
                 want = min(size - seg.jpos, _JOURNAL_READ)
                 buf = os.pread(seg.jfd, want, seg.jpos)  # type: ignore[arg-type]
-                entries, used = parse_entries(buf)
+                entries, used = parse_entries(buf, seg.count)
+                if seg.jpos == 0 and used == 0 and foreign_journal(buf):
+                    os.close(seg.jfd)  # type: ignore[arg-type]  # never ours to read: stop
+                    seg.jfd = None
+                    break
                 self.insert_locked(seg, entries)
                 seg.jpos += used
+                seg.count += len(entries)
                 # A chunk may end inside an entry: read on from it. Nothing parsed means a torn
                 # or still-landing entry: resume there next time.
                 if used == 0 or len(buf) < want:
@@ -204,33 +217,56 @@ class Index:
 
     def insert_locked(self, seg: Segment, entries: Iterable[Entry], trusted: bool = False) -> None:
         """Index journal entries of ``seg`` (the start-up path: kept lean)."""
-        index, keys, stem = self.entries, seg.keys, seg.stem
+        index, keys, stem, tombs = self.entries, seg.keys, seg.stem, self.tombs
         live = live_bytes = 0
         end = seg.end
-        for key, offset, length, seq, time_ns in entries:
+        for key, offset, length, seq, time_ns, algorithm, checksum, deleted in entries:
             keys.append(key)
-            size = RECORD_HEAD + length
-            end = max(end, offset + size)
+            if deleted:
+                self._tombstone_locked(key, (time_ns, stem, seq))
+                continue
+            if tombs:
+                tomb = tombs.get(key)
+                if tomb is not None and tomb >= (time_ns, stem, seq):
+                    continue  # deleted after it was written
+            end = max(end, offset + length)
             old = index.get(key)
             if old is not None:
                 if (old.time_ns, old.seg.stem, old.seq) >= (time_ns, stem, seq):
                     continue
                 old.seg.live -= 1
-                old.seg.live_bytes -= RECORD_HEAD + old.length
-            index[key] = Loc(seg, offset, length, seq, time_ns, trusted)
+                old.seg.live_bytes -= old.length
+            index[key] = Loc(seg, offset, length, seq, time_ns, trusted, algorithm, checksum)
             live += 1
-            live_bytes += size
+            live_bytes += length
         seg.live += live
         seg.live_bytes += live_bytes
         seg.end = end
 
+    def _tombstone_locked(self, key: str, when: tuple[int, str, int]) -> None:
+        """A tombstone of ``key`` made at ``when`` (time, segment, seq): the record serving it,
+        if older, dies."""
+        tomb = self.tombs.get(key)
+        if tomb is None or tomb < when:
+            self.tombs[key] = when
+        old = self.entries.get(key)
+        if old is None or (old.time_ns, old.seg.stem, old.seq) >= when:
+            return
+        del self.entries[key]
+        old.seg.live -= 1
+        old.seg.live_bytes -= old.length
+
     def remove_locked(self, seg: Segment) -> None:
         """Forget a deleted segment; its descriptor closes when no read of ours uses it."""
-        index = self.entries
+        index, tombs, stem = self.entries, self.tombs, seg.stem
         for key in seg.keys:
             loc = index.get(key)
             if loc is not None and loc.seg is seg:
                 del index[key]
+            if tombs:
+                tomb = tombs.get(key)
+                if tomb is not None and tomb[1] == stem:
+                    del tombs[key]
         seg.keys, seg.live, seg.live_bytes, seg.gone = [], 0, 0, True
         self.segments.pop(seg.stem, None)
         self._open.pop(seg.stem, None)
@@ -245,7 +281,7 @@ class Index:
         if self.entries.get(key) == loc:
             del self.entries[key]
             loc.seg.live -= 1
-            loc.seg.live_bytes -= RECORD_HEAD + loc.length
+            loc.seg.live_bytes -= loc.length
 
     def trust_locked(self, key: str, loc: Loc) -> None:
         """Mark ``key``'s record verified (``verify="once"``), unless it changed meanwhile."""
@@ -318,4 +354,5 @@ class Index:
         self.segments.clear()
         self._open.clear()
         self.entries.clear()
+        self.tombs.clear()
         self.active = None

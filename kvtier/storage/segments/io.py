@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
-__all__ = ["IOV_MAX", "RUN_BYTES", "read_all", "run_shared", "write_all"]
+__all__ = ["IOV_MAX", "RUN_BYTES", "pieces", "read_all", "run_shared", "write_all"]
 
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 RUN_BYTES = 256 << 10
@@ -44,6 +44,26 @@ def read_all(fd: int, iovecs: list[memoryview], offset: int, want: int) -> int:
             break
         got += more
     return got
+
+
+def pieces(parts: list[memoryview], size: int) -> list[list[memoryview]]:
+    """``parts`` (one payload) cut into consecutive pieces of ``size`` bytes (the last one
+    shorter), each a list of slices of the parts."""
+    out: list[list[memoryview]] = []
+    piece: list[memoryview] = []
+    room = size
+    for p in parts:
+        while p.nbytes:
+            take = p[:room]
+            piece.append(take)
+            room -= take.nbytes
+            p = p[take.nbytes :]
+            if room == 0:
+                out.append(piece)
+                piece, room = [], size
+    if piece:
+        out.append(piece)
+    return out
 
 
 def remaining(iovecs: list, done: int) -> list:

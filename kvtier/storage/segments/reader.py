@@ -1,15 +1,15 @@
 """Reading a batch of pages from segments: plan, one ``preadv`` per run, verify.
 
 A batch is sorted by segment and offset and cut into chunks of about ``io.RUN_BYTES``; a chunk's
-adjacent records are read with one ``preadv`` straight into the caller's page buffers (the record
-heads into one scratch buffer) and verified by the same thread at once, while the bytes are still
-in its cache. The caller's thread and the IO threads share the chunks (``io.run_shared``), so one
-thread's Python work overlaps the other's syscall.
+adjacent records are read with one ``preadv`` straight into the caller's page buffers and verified
+by the same thread at once, while the bytes are still in its cache. A record larger than a chunk is
+read in pieces of a chunk's size, each hashed right after it lands. The caller's thread and the IO
+threads share the chunks (``io.run_shared``), so one thread's Python work overlaps the other's
+syscall.
 
-Verify rule: every read checks the record's prefix (magic and the journal's sequence number) and
-its page header (payload length, key digest, XXH3-64 checksum of the payload), always, whoever
-wrote it and whenever (or, with ``verify="once"``, once per record this process did not see
-written completely).
+Verify rule: every read checks the payload against the checksum its journal entry holds for its
+key (XXH3-64), always, whoever wrote it and whenever (or, with ``verify="once"``, once per record
+this process did not see written completely).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.storage.base import Parts
-from kvtier.storage.page_format import PageViews
-from kvtier.storage.segments.format import RECORD_HEAD, record_ok
+from kvtier.storage.page_format import XXH3, PageViews, checksum_matches, xxh3_stream
 from kvtier.storage.segments.index import Index, Loc, Segment
-from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES, read_all, run_shared
+from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES, pieces, read_all, run_shared
 
 __all__ = ["Reader"]
 
@@ -71,7 +70,6 @@ class Reader:
         out = [False] * len(keys)
         bad: list[int] = []
         try:
-            heads = memoryview(bytearray(RECORD_HEAD * len(plan)))
 
             def job(lo: int, hi: int) -> Callable[[], None]:
                 return lambda: self._read_chunk(
@@ -81,8 +79,6 @@ class Reader:
                     locs,  # type: ignore[arg-type]
                     views,
                     fds,
-                    heads,
-                    keys,
                     out,
                     bad,
                 )
@@ -111,8 +107,6 @@ class Reader:
         locs: list[Loc],
         views: PageViews,
         fds: dict[Segment, int],
-        heads: memoryview,
-        keys: list[str],
         out: list[bool],
         bad: list[int],
     ) -> None:
@@ -124,38 +118,70 @@ class Reader:
             fd = fds[seg]
             start = pos = plan[j][1]
             iovecs: list[memoryview] = []
-            members: list[tuple[int, int, list[memoryview]]] = []  # (head slot, page, its views)
+            members: list[tuple[int, list[memoryview]]] = []  # (page, its views)
+            large = False
             while j < hi:
                 _, offset, i = plan[j]
                 loc = locs[i]
                 parts = views[i]
+                large = loc.length > RUN_BYTES and not loc.trusted
                 if members and (
-                    loc.seg is not seg or offset != pos or len(iovecs) + 1 + len(parts) > IOV_MAX
+                    large
+                    or loc.seg is not seg
+                    or offset != pos
+                    or len(iovecs) + len(parts) > IOV_MAX
                 ):
+                    large = False  # this run ends before that record
                     break
-                at = j * RECORD_HEAD
-                iovecs.append(heads[at : at + RECORD_HEAD])
                 iovecs += parts
-                members.append((at, i, parts))
-                pos = offset + RECORD_HEAD + loc.length
+                members.append((i, parts))
+                pos = offset + loc.length
                 j += 1
+                if large:
+                    break  # a large record is a run of its own, read in pieces
             if fd < 0:
                 continue  # the segment could not be opened: its pages stay unserved
             try:
+                if large:
+                    i, parts = members[0]
+                    if _read_large(fd, locs[i], parts):
+                        out[i] = True
+                    else:
+                        bad.append(i)
+                    continue
                 end = start + read_all(fd, iovecs, start, pos - start)
             except OSError as e:
                 log.warning(
                     "segment store %s: read of %s failed: %s", self._index.root, seg.stem, e
                 )
                 continue
-            for at, i, parts in members:
+            for i, parts in members:
                 loc = locs[i]
-                if loc.offset + RECORD_HEAD + loc.length <= end and record_ok(
-                    heads, at, loc.seq, keys[i], parts, loc.length, loc.trusted
+                if loc.offset + loc.length <= end and (
+                    loc.trusted or checksum_matches(loc.algorithm, loc.checksum, parts)
                 ):
                     out[i] = True
                 else:
                     bad.append(i)
+
+
+def _read_large(fd: int, loc: Loc, parts: list[memoryview]) -> bool:
+    """Read and verify one record of more than ``RUN_BYTES`` in pieces of ``RUN_BYTES``, each
+    hashed right after it lands (while it is still in this core's cache; hashing the whole page
+    after reading it would fetch it from memory a second time). Whether it verified."""
+    stream = xxh3_stream(parts) if loc.algorithm == XXH3 else None
+    pos = loc.offset
+    for piece in pieces(parts, RUN_BYTES):
+        want = sum(v.nbytes for v in piece)
+        if read_all(fd, piece, pos, want) < want:
+            return False  # the segment ends inside the record
+        pos += want
+        if stream is not None:
+            for v in piece:
+                stream.update(v)
+    if stream is None:  # another algorithm, or no streaming hash here: the whole-page check
+        return checksum_matches(loc.algorithm, loc.checksum, parts)
+    return stream.digest() == loc.checksum
 
 
 def _chunks(plan: Plan, lengths: list[int]) -> list[int]:
@@ -165,11 +191,11 @@ def _chunks(plan: Plan, lengths: list[int]) -> list[int]:
         return [0]
     sizes = {lengths[i] for _, _, i in plan}
     if len(sizes) == 1:  # the common case: one page size
-        step = max(1, RUN_BYTES // (RECORD_HEAD + sizes.pop()))
+        step = max(1, RUN_BYTES // max(1, sizes.pop()))
         return [*range(0, n, step), n]
     bounds, acc = [0], 0
     for j, (_, _, i) in enumerate(plan):
-        acc += RECORD_HEAD + lengths[i]
+        acc += lengths[i]
         if acc >= RUN_BYTES:
             bounds.append(j + 1)
             acc = 0

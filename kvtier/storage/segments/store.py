@@ -14,12 +14,22 @@ io         whole syscalls, and runs of a batch shared by the caller's and the IO
 root       the root directory: permissions, opening only the store's own regular files, the lock
 ========== ================================================================================
 
-Verify rule: every read checks the record's prefix and page header, including the XXH3-64
-checksum of the payload, whoever wrote it and whenever (``verify="always"``, the default), or
-once per record this process did not see written completely (``verify="once"``). A writer killed
+Verify rule: every read checks the record (the payload alone) against the XXH3-64 checksum its
+journal entry holds for its key, whoever wrote it and whenever (``verify="always"``, the
+default), or once per record this process did not see written completely (``verify="once"``).
+A record is hashed as it is read (in pieces of ``io.RUN_BYTES`` for larger ones), while its
+bytes are in the reading core's cache. Reads and writes of payloads whose size is a multiple of
+4 KiB are 4 KiB-aligned in the segment, as raw file IO is. A writer killed
 at any point leaves records that are either journaled and intact, or unjournaled (ignored), or
 journaled over lost bytes (the checksum fails: a counted miss, dropped); a power loss likewise,
 so a reboot needs no rule of its own.
+
+Delete: a tombstone entry in the deleting process's journal (no record) kills the key's
+records journaled before it, in every process once it reads that journal, and across restarts;
+their space is reclaimed by compaction and eviction like any dead record's. A tombstone lasts as
+long as its segment: one evicted or compacted away before an older record of its key lets that
+record be served again after a restart (a key names its bytes, so they are still the right ones),
+and a process that stores the key again afterwards serves the new record.
 
 Restart: the index is rebuilt by reading every journal (``bench_storage`` reports the seconds
 per million pages); LRU order is the segments' mtimes, kept on disk.
@@ -34,9 +44,12 @@ is bounded: file syscalls on a local disk, and a root lock given up after ``lock
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
@@ -44,10 +57,9 @@ from typing import NamedTuple
 from kvtier.metrics import TierMetrics
 from kvtier.storage.base import Parts, StorageBackend
 from kvtier.storage.keys import KeyScope
-from kvtier.storage.page_format import buffers_of
+from kvtier.storage.page_format import PageViews
 from kvtier.storage.segments.compact import Compactor
 from kvtier.storage.segments.config import SegmentBackendConfig
-from kvtier.storage.segments.format import RECORD_HEAD
 from kvtier.storage.segments.index import Index
 from kvtier.storage.segments.reader import Reader
 from kvtier.storage.segments.root import RootLock, open_root
@@ -62,8 +74,23 @@ _LOCK_NAME = "lock"
 _SEGMENT_BYTES = 64 << 20
 
 
+@contextlib.contextmanager
+def _collection_paused() -> Iterator[None]:
+    """CPython's cyclic collector off (unless it is off already) while the index is rebuilt: the
+    rebuild makes two tuples per journal entry, all long-lived, and the collections they trigger
+    rescan the growing index again and again (measured: half the rebuild time at 3e5 entries)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class RecordSpan(NamedTuple):
-    """A record's place: ``size`` bytes (prefix, page header, payload) at ``offset`` in ``path``."""
+    """A record's place: ``size`` bytes (the payload) at ``offset`` in ``path``."""
 
     path: Path
     offset: int
@@ -113,7 +140,7 @@ class SegmentBackend(StorageBackend):
             self._index, self._writer, self._space, self._dirfd, config.compact_below
         )
         try:
-            with self._index.mutex:
+            with self._index.mutex, _collection_paused():
                 self._index.refresh_locked(tail=True)
         except BaseException:
             self.close()
@@ -173,9 +200,9 @@ class SegmentBackend(StorageBackend):
             index.touch_locked(used)
         if todo:
             keys = [object_keys[i] for i in todo]
-            parts, lengths = buffers_of([pages[i] for i in todo])
+            views = PageViews([pages[i] for i in todo])  # made by the thread writing each page
             with self._append:
-                done = self._writer.append(keys, parts, lengths)
+                done = self._writer.append(keys, views, views.lengths())
                 try:
                     _, bad = self._compactor.step()
                 except Exception:  # housekeeping: it must never fail the pages just stored
@@ -188,6 +215,19 @@ class SegmentBackend(StorageBackend):
         for i, j in same:
             out[i] = out[j]
         return out
+
+    def _delete(self, object_keys: list[str]) -> list[bool]:
+        """Tombstones in this process's journal for the keys the root holds (see the module
+        docstring); a key it does not hold is gone already."""
+        index = self._index
+        with index.mutex:
+            index.refresh_locked(tail=True)  # another process's newest records die too
+            present = [k for k in dict.fromkeys(object_keys) if k in index.entries]
+        if not present:
+            return [True] * len(object_keys)
+        with self._append:
+            done = dict(zip(present, self._writer.tombstone(present)))
+        return [done.get(k, True) for k in object_keys]
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -256,4 +296,4 @@ class SegmentBackend(StorageBackend):
             loc = index.entries.get(object_key)
         if loc is None:
             return None
-        return RecordSpan(self.root / f"{loc.seg.stem}.kvs", loc.offset, RECORD_HEAD + loc.length)
+        return RecordSpan(self.root / f"{loc.seg.stem}.kvs", loc.offset, loc.length)

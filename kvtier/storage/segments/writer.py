@@ -1,14 +1,15 @@
 """Appending records: this process's own segments, one active at a time.
 
 Each process (each backend instance) writes only its own segments, ``<writer>-<n>.kvs`` with the
-journal ``<writer>-<n>.kvj`` beside it, where ``<writer>`` is ``<pid>-<8 random hex>``. A batch
-is laid out back to back at the end of the active segment and cut into runs (up to
-``io.RUN_BYTES``); each run's headers are checksummed and the run written with one ``pwritev``
-(record prefixes, page headers and the caller's page buffers as the iovecs) by the caller's
-thread or an IO thread, whichever takes it (``io.run_shared``). Then the journal entries of the
-records before the first failed run follow with one ``pwrite``; with ``fsync`` both files are
-``fdatasync``-ed once per batch. A segment is preallocated when created, truncated to its
-records when the writer moves on (or closes), and never written again.
+journal ``<writer>-<n>.kvj`` beside it, where ``<writer>`` is ``<pid>-<8 random hex>``. A batch is
+laid out back to back at the end of the active segment and cut into runs (up to ``io.RUN_BYTES``);
+each run's payloads are checksummed (which brings them into the core's cache) and the run written
+with one ``pwritev`` of the caller's page buffers by the caller's thread or an IO thread, whichever
+takes it (``io.run_shared``), which then makes the run's journal entries while the other thread's
+syscall runs. A record larger than a run is hashed and written in pieces of a run's size. Then the
+journal entries of the records before the first failed run follow with one ``pwrite``; with
+``fsync`` both files are ``fdatasync``-ed once per batch. A segment is preallocated when created,
+truncated to its records when the writer moves on (or closes), and never written again.
 
 A writer killed at any point leaves records whose journal entry is missing (ignored), torn
 (parsing stops there) or present with the record's bytes incomplete or lost (the checksum fails:
@@ -23,21 +24,25 @@ import fcntl
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvtier.storage.page_format import make_header
+from kvtier.storage.page_format import (
+    XXH3,
+    PageViews,
+    Xxh3Stream,
+    payload_checksum,
+    xxh3_stream,
+)
 from kvtier.storage.segments.config import SegmentBackendConfig
 from kvtier.storage.segments.format import (
     ENTRY_SIZE,
-    RECORD_HEAD,
     Entry,
     encode_entry,
-    record_prefix,
 )
 from kvtier.storage.segments.index import Index, Segment
-from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES, run_shared, write_all
+from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES, pieces, run_shared, write_all
 from kvtier.storage.segments.root import create_file
 from kvtier.storage.segments.space import Space, journal_reserve
 
@@ -56,8 +61,21 @@ class _Active:
     jcap: int  # journal bytes reserved in the capacity
     end: int = 0
     jend: int = 0
-    seq: int = 0
+    seq: int = 0  # entries journaled: the next one's sequence number
     full: bool = False  # a failed append: move on to a new segment
+
+
+def _write_large(fd: int, offset: int, parts: list[memoryview], stream: Xxh3Stream) -> int:
+    """Write one record of more than ``RUN_BYTES`` at ``offset`` in pieces of ``RUN_BYTES``,
+    each hashed just before it is written (so the write copies it from this core's cache, not
+    from memory a second time); its XXH3-64."""
+    pos = offset
+    for piece in pieces(parts, RUN_BYTES):
+        for v in piece:
+            stream.update(v)
+        write_all(fd, piece, pos)
+        pos += sum(v.nbytes for v in piece)
+    return stream.digest()
 
 
 class Writer:
@@ -83,16 +101,23 @@ class Writer:
         return None if self._active is None else self._active.seg
 
     def append(
-        self, keys: list[str], parts: list[list[memoryview]], lengths: list[int], time_ns: int = 0
+        self,
+        keys: list[str],
+        parts: Sequence[list[memoryview]],
+        lengths: list[int],
+        time_ns: int = 0,
     ) -> list[bool]:
         """Append one record per key, moving on to new segments as they fill; per record,
-        whether it is stored (and indexed). ``time_ns``: the journal time (0: now)."""
+        whether it is stored (and indexed). ``parts[i]``: record i's payload buffers (a list, or
+        a ``PageViews``, which makes them in the IO thread that writes the record); ``time_ns``:
+        the journal time (0: now)."""
+        counts = parts.counts() if isinstance(parts, PageViews) else [len(p) for p in parts]
         m = len(keys)
         ok = [False] * m
         j = 0
         while j < m:
             act = self._active
-            need = RECORD_HEAD + lengths[j]
+            need = lengths[j]
             if (
                 act is None
                 or act.full
@@ -102,7 +127,8 @@ class Writer:
                 act = self._roll(need)
                 if act is None:
                     break  # no room, no lock, or no disk: the rest of the batch fails
-            k = self._append_some(act, keys, parts, lengths, j, time_ns or time.time_ns(), ok)
+            now = time_ns or time.time_ns()
+            k = self._append_some(act, keys, parts, lengths, counts, j, now, ok)
             j = k
         return ok
 
@@ -110,43 +136,58 @@ class Writer:
         self,
         act: _Active,
         keys: list[str],
-        parts: list[list[memoryview]],
+        parts: Sequence[list[memoryview]],
         lengths: list[int],
+        counts: Sequence[int],
         j: int,
         now: int,
         ok: list[bool],
     ) -> int:
         """Append records ``j..`` while they fit in ``act``; the first record not taken."""
         m = len(keys)
-        entries: list[Entry] = []
+        offsets: list[int] = []
         runs: list[tuple[int, int, int]] = []  # (first record, end record, file offset)
         start = pos = act.end
         jbytes, k, first, iovs = 0, j, j, 0
         while k < m:
-            size, esize = RECORD_HEAD + lengths[k], ENTRY_SIZE + len(keys[k])
+            size, esize = lengths[k], ENTRY_SIZE + len(keys[k])
             if k > j and (pos + size > act.size or act.jend + jbytes + esize > act.jcap):
                 break
-            if k > first and (pos - start >= RUN_BYTES or iovs + 2 + len(parts[k]) > IOV_MAX):
+            if k > first and (
+                pos - start >= RUN_BYTES
+                or lengths[k] > RUN_BYTES  # a large record is a run of its own
+                or iovs + counts[k] > IOV_MAX
+            ):
                 runs.append((first, k, start))
                 first, start, iovs = k, pos, 0
-            act.seq += 1
-            entries.append(Entry(keys[k], pos, lengths[k], act.seq, now))
-            pos, jbytes, k, iovs = pos + size, jbytes + esize, k + 1, iovs + 2 + len(parts[k])
+            offsets.append(pos)
+            pos, jbytes, k, iovs = pos + size, jbytes + esize, k + 1, iovs + counts[k]
         if k > first:
             runs.append((first, k, start))
         act.end = pos  # never reused, whatever was written
+        seq0 = act.seq - j  # record x is journal entry seq0 + x (if the runs before it landed)
+        fd = act.seg.fd
         failed: list[int] = []  # runs whose write failed
-        fd, seq0 = act.seg.fd, entries[0].seq - j
+        done: list[tuple[list[Entry], bytes]] = [([], b"")] * len(runs)  # written runs' entries
 
         def job(r: int) -> Callable[[], None]:
             lo, hi, offset = runs[r]
 
             def write_run() -> None:
-                iovecs: list = []
-                for x in range(lo, hi):
-                    iovecs += [record_prefix(seq0 + x), make_header(keys[x], parts[x]), *parts[x]]
                 try:
-                    write_all(fd, iovecs, offset)
+                    sums = None
+                    if hi - lo == 1 and lengths[lo] > RUN_BYTES:
+                        payload = parts[lo]
+                        stream = xxh3_stream(payload)
+                        if stream is not None:
+                            sums = [(XXH3, _write_large(fd, offset, payload, stream))]
+                    if sums is None:
+                        sums, iovecs = [], []
+                        for x in range(lo, hi):
+                            payload = parts[x]
+                            sums.append(payload_checksum(payload))  # reads it into the cache
+                            iovecs += payload
+                        write_all(fd, iovecs, offset)
                 except OSError as e:
                     log.warning(
                         "segment store %s: append to %s failed: %s",
@@ -155,15 +196,25 @@ class Writer:
                         e,
                     )
                     failed.append(r)
+                    return
+                # Entries made and encoded here, while another thread's syscall runs, rather than
+                # after the batch with no IO in flight.
+                made = [
+                    Entry(keys[x], offsets[x - j], lengths[x], seq0 + x, now, a, c)
+                    for x, (a, c) in zip(range(lo, hi), sums)
+                ]
+                done[r] = (made, b"".join(map(encode_entry, made)))
 
             return write_run
 
         run_shared(self._pool(), self._config.io_threads, [job(r) for r in range(len(runs))])
         # Only records before the first failed run are journaled; the segment takes no more.
-        stored = runs[min(failed)][0] if failed else k
+        last = min(failed) if failed else len(runs)
+        stored = runs[last][0] if failed else k
         if failed:
             act.full = True
-        journal = b"".join(encode_entry(e) for e in entries[: stored - j])
+        entries = [e for r in range(last) for e in done[r][0]]
+        journal = b"".join(done[r][1] for r in range(last))
         try:
             if journal:
                 write_all(act.jfd, [journal], act.jend)  # after the bytes it describes
@@ -180,12 +231,51 @@ class Writer:
             act.full = True
             return k
         act.jend += len(journal)
+        act.seq += len(entries)
         with self._index.mutex:
-            self._index.insert_locked(
-                act.seg, entries[: stored - j], trusted=self._config.verify == "once"
-            )
+            self._index.insert_locked(act.seg, entries, trusted=self._config.verify == "once")
         ok[j:stored] = [True] * (stored - j)
         return k
+
+    def tombstone(self, keys: list[str]) -> list[bool]:
+        """Journal a tombstone for each key in the active segment (moving on to new segments as
+        journals fill), so that every process's index drops the key's older records; per key
+        whether its tombstone is journaled (and indexed here)."""
+        ok = [False] * len(keys)
+        j, now = 0, time.time_ns()
+        while j < len(keys):
+            act = self._active
+            if act is None or act.full or act.jend + ENTRY_SIZE + len(keys[j]) > act.jcap:
+                act = self._roll(0)
+                if act is None:
+                    break
+            entries: list[Entry] = []
+            jbytes, k = 0, j
+            while k < len(keys) and act.jend + jbytes + ENTRY_SIZE + len(keys[k]) <= act.jcap:
+                entries.append(Entry(keys[k], 0, 0, act.seq + k - j, now, deleted=True))
+                jbytes += ENTRY_SIZE + len(keys[k])
+                k += 1
+            journal = b"".join(map(encode_entry, entries))
+            try:
+                write_all(act.jfd, [journal], act.jend)
+                if self._config.fsync:
+                    os.fdatasync(act.jfd)
+            except OSError as e:
+                log.warning(
+                    "segment store %s: tombstones in %s failed: %s",
+                    self._space.root,
+                    act.seg.stem,
+                    e,
+                )
+                act.full = True  # its journal may end in a partial entry now
+                continue
+            act.jend += len(journal)
+            act.seq += len(entries)
+            with self._index.mutex:
+                self._index.insert_locked(act.seg, entries)
+            ok[j:k] = [True] * (k - j)
+            j = k
+        return ok
 
     # -- segments of this process -----------------------------------------------------------------
 
@@ -256,7 +346,7 @@ class Writer:
             log.warning("segment store %s: cannot finish %s: %s", self._space.root, seg.stem, e)
         with self._index.mutex:
             self._index.finish_own_locked(seg)
-        if act.end == 0 or delete:
+        if act.jend == 0 or delete:
             # Nothing journaled (never to be served), or clear(): delete it now.
             self._space.unlink(seg.stem + ".kvj")
             self._space.unlink(seg.stem + ".kvs")

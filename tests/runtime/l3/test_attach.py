@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig, StorageConfig
 from kvtier.runtime.l3.attach import ChangeOutcome
-from kvtier.storage import PrefetchOutcome, create_backend
+from kvtier.storage import PoolTransfer, PrefetchOutcome, StorageBackend, create_backend
 from kvtier.storage.file_backend import FilePerPageBackend, FilePerPageConfig
 from tests.runtime.l3.helpers import (
     PROMPT_TOKENS,
@@ -292,22 +292,69 @@ def test_detach_under_load(tmp_path, mode):
     backend.close()
 
 
-def test_clear_storage(tmp_path):
-    cache = make_l3_cache("full", create_backend("file_per_page", root=str(tmp_path / "l3")))
+def _foreign_pages(backend, n: int = 3) -> list[str]:
+    """``n`` pages another cache stored in ``backend`` (keys no conversation here produces)."""
+    hashes = [f"{i:064x}" for i in range(1, n + 1)]
+    pages = [torch.full((64,), i, dtype=torch.uint8) for i in range(n)]
+    assert backend.set([PoolTransfer("kv", hashes, pages)]).all_ok
+    return hashes
+
+
+@pytest.mark.parametrize("kind", ["file", "file_per_page"])
+def test_clear_storage_removes_this_caches_pages_only(tmp_path, kind):
+    cache = make_l3_cache("full", create_backend(kind, root=str(tmp_path / "l3")))
+    backend = cache.l3.backend
+    foreign = _foreign_pages(backend)
     conv = conversations(3, n=1)[0]
     run_turn(cache, conv)
     cache.drain()
     key = node_keys(cache)
     hashes = [h for hs in key.values() for h in hs]
-    backend = cache.l3.backend
     keys = [backend.scope.object_key(h, "kv") for h in hashes]
     assert all(backend._contains(keys))
     change = cache.clear_storage()
     step_until(cache, change)
     assert change.outcome is ChangeOutcome.APPLIED
     assert not any(backend._contains(keys))
+    assert backend.exists([PoolTransfer("kv", foreign)]) == len(foreign), "another cache's pages"
     assert not cache.l3._stored  # forgotten: later backups write the pages again
     assert cache.metrics()["l3.storage_cleared"] == 1
+    run_turn(cache, conversations(4, n=1)[0])  # new pages: stored, so the next clear has work
+    cache.drain()
+    assert cache.l3._stored
+
+    def refuse(object_keys):
+        raise OSError("read-only store")
+
+    backend._delete = refuse
+    failed = cache.clear_storage()
+    step_until(cache, failed)
+    assert failed.outcome is ChangeOutcome.FAILED and "could not be removed" in failed.error
+    assert cache.metrics()["l3.storage_clear_failed"] == 1
+    del backend._delete
+    run_turn(cache, conv)  # the cache keeps working
+    cache.drain()
+    cache.check_integrity()
+    cache.close()
+    backend.close()
+
+
+class _NoDelete(FilePerPageBackend):
+    """A backend that cannot remove single pages (``delete`` raises NotImplementedError)."""
+
+    _delete = StorageBackend._delete
+
+
+def test_clear_storage_clears_a_backend_that_cannot_delete(tmp_path):
+    backend = _NoDelete(FilePerPageConfig(root=str(tmp_path / "l3")))
+    cache = make_l3_cache("full", backend)
+    foreign = _foreign_pages(backend)
+    run_turn(cache, conversations(3, n=1)[0])
+    cache.drain()
+    change = cache.clear_storage()
+    step_until(cache, change)
+    assert change.outcome is ChangeOutcome.APPLIED
+    assert backend.exists([PoolTransfer("kv", foreign)]) == 0, "cleared whole"
 
     def refuse():
         raise OSError("read-only store")
@@ -316,9 +363,6 @@ def test_clear_storage(tmp_path):
     failed = cache.clear_storage()
     step_until(cache, failed)
     assert failed.outcome is ChangeOutcome.FAILED and "read-only store" in failed.error
-    run_turn(cache, conv)  # the cache keeps working
-    cache.drain()
-    cache.check_integrity()
     cache.close()
     backend.close()
 

@@ -1,0 +1,199 @@
+"""``StorageBackend.delete``: per-page removal on every backend (the segment store, the per-page
+store, and Mooncake against a real master), bad keys failing their own page only, and the
+segment store's tombstones seen by other processes and across restarts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.storage import (
+    KeyScope,
+    Namespace,
+    PoolTransfer,
+    StorageBackend,
+    create_backend,
+    page_hashes,
+)
+from kvtier.storage.segments import SegmentBackend
+
+NS = Namespace("delete-test", "bfloat16", 4, "page_first", tp_size=1)
+PAGE = 4096
+
+
+def hashes(n: int, seed: int = 0) -> list[str]:
+    return page_hashes(torch.arange(seed * 10_000, seed * 10_000 + 4 * n), NS)
+
+
+def expected(h: str, size: int = PAGE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(h[:15], 16))
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)
+
+
+def put(b: StorageBackend, hs: list[str], make_pages, pool: str = "kv") -> None:
+    pages = make_pages(len(hs), PAGE)
+    for p, h in zip(pages, hs):
+        p.copy_(expected(h))
+    assert b.set([PoolTransfer(pool, hs, pages)]).all_ok
+
+
+def served(b: StorageBackend, hs: list[str], make_pages, pool: str = "kv") -> list[bool]:
+    """Per page: read back and equal to its bytes (a wrong byte fails the test)."""
+    out = make_pages(len(hs), PAGE)
+    for p in out:
+        p.fill_(0xEE)
+    ok = b.get([PoolTransfer(pool, hs, out)]).ok[pool]
+    for i, (h, got) in enumerate(zip(hs, ok)):
+        if got:
+            assert torch.equal(out[i], expected(h)), f"page {i} served with wrong bytes"
+    return ok
+
+
+@pytest.fixture(params=["file", "file_per_page", "mooncake"])
+def any_backend(request: pytest.FixtureRequest, tmp_path: Path):
+    """Every backend that can delete, empty."""
+    if request.param != "mooncake":
+        b = create_backend(request.param, root=tmp_path / "l3")
+        yield b
+        b.close()
+        return
+    shared = request.getfixturevalue("mooncake_backend")  # skips where Mooncake cannot run
+    shared.clear()
+    yield shared
+    shared.clear()
+
+
+def test_delete_removes_listed_pages_only(any_backend: StorageBackend, make_pages) -> None:
+    b = any_backend
+    h, other = hashes(6), hashes(2, seed=1)
+    put(b, h, make_pages)
+    put(b, h[:2], make_pages, pool="swa")
+    res = b.delete([PoolTransfer("kv", [h[1], h[3], *other])])
+    assert res.ok == {"kv": [True] * 4}, "absent pages are gone already"
+    assert served(b, h, make_pages) == [True, False, True, False, True, True]
+    assert b.exists([PoolTransfer("kv", h)]) == 1
+    assert served(b, h[:2], make_pages, pool="swa") == [True, True], "another pool is untouched"
+    assert b.delete([PoolTransfer("kv", [h[1]])]).ok == {"kv": [True]}, "deleting twice is fine"
+    put(b, h[1:2], make_pages)
+    assert served(b, h[:2], make_pages) == [True, True], "a deleted page can be stored again"
+
+
+def test_bad_key_fails_its_own_page(any_backend: StorageBackend, make_pages) -> None:
+    b = any_backend
+    h = hashes(3)
+    put(b, h, make_pages)
+    bad = ["../../escape", h[1].upper(), f"{h[2]}.kv", ""]
+    res = b.delete([PoolTransfer("kv", [h[0], *bad, h[2]])])
+    assert res.ok["kv"] == [True, False, False, False, False, True]
+    assert served(b, h, make_pages) == [False, True, False]
+
+
+def test_misuse_raises_and_changes_nothing(any_backend: StorageBackend, make_pages) -> None:
+    b = any_backend
+    h = hashes(2)
+    put(b, h, make_pages)
+    with pytest.raises(TypeError, match="keys must be a sequence"):
+        b.delete([PoolTransfer("kv", h[0])])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one transfer per pool"):
+        b.delete([PoolTransfer("kv", h[:1]), PoolTransfer("kv", h[1:])])
+    assert served(b, h, make_pages) == [True, True]
+
+
+def test_replicated_rank_other_than_0_removes_nothing(
+    any_backend: StorageBackend, make_pages
+) -> None:
+    b = any_backend
+    h = hashes(2)
+    scope = b.scope
+    try:
+        b.scope = KeyScope(tp_rank=0, tp_size=2, replicated=True)
+        put(b, h, make_pages, pool="mla")
+        b.scope = KeyScope(tp_rank=1, tp_size=2, replicated=True)
+        assert b.delete([PoolTransfer("mla", h)]).ok == {"mla": [True, True]}
+        assert b.exists([PoolTransfer("mla", h)]) == 2, "rank 0 alone removes replicated pages"
+        b.scope = KeyScope(tp_rank=0, tp_size=2, replicated=True)
+        assert b.delete([PoolTransfer("mla", h)]).all_ok
+        assert b.exists([PoolTransfer("mla", h)]) == 0
+    finally:
+        b.scope = scope
+
+
+def test_backend_without_delete_says_so(tmp_path: Path) -> None:
+    class NoDelete(StorageBackend):
+        name = "no-delete"
+
+        def _contains(self, object_keys):  # noqa: ANN001, ANN202
+            return [False] * len(object_keys)
+
+        def _read(self, object_keys, pages):  # noqa: ANN001, ANN202
+            return [False] * len(object_keys)
+
+        def _write(self, object_keys, pages):  # noqa: ANN001, ANN202
+            return [False] * len(object_keys)
+
+        def clear(self) -> None:
+            pass
+
+    with pytest.raises(NotImplementedError, match="no-delete"):
+        NoDelete().delete([PoolTransfer("kv", hashes(1))])
+
+
+# -- the segment store's tombstones ------------------------------------------------------------
+
+
+def segment_store(root: Path, **config: object) -> SegmentBackend:
+    b = create_backend("file", root=root, **config)
+    assert isinstance(b, SegmentBackend)
+    return b
+
+
+def pages_of(hs: list[str]) -> list[torch.Tensor]:
+    return [expected(h) for h in hs]
+
+
+def empty(n: int) -> list[torch.Tensor]:
+    return [torch.empty(PAGE, dtype=torch.uint8) for _ in range(n)]
+
+
+def test_tombstones_reach_other_processes_and_restarts(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    writer, deleter = segment_store(root), segment_store(root)
+    h = hashes(4)
+    assert writer.set([PoolTransfer("kv", h, pages_of(h))]).all_ok
+    assert deleter.delete([PoolTransfer("kv", h[:2])]).all_ok, "another process's records"
+    assert writer.exists([PoolTransfer("kv", h)]) == 0, "the writer sees the tombstones"
+    assert writer.get([PoolTransfer("kv", h, empty(4))]).ok["kv"] == [False, False, True, True]
+    assert writer.metrics.snapshot()["checksum_miss_pages"] == 0, "a deletion is not damage"
+    deleter.close()
+    writer.close()
+    again = segment_store(root)
+    assert again.get([PoolTransfer("kv", h, empty(4))]).ok["kv"] == [False, False, True, True]
+    assert again.set([PoolTransfer("kv", h[:1], pages_of(h[:1]))]).all_ok
+    again.close()
+    third = segment_store(root)
+    out = empty(4)
+    assert third.get([PoolTransfer("kv", h, out)]).ok["kv"] == [True, False, True, True], (
+        "a record newer than the tombstone is served"
+    )
+    assert torch.equal(out[0], expected(h[0]))
+    third.close()
+
+
+def test_deleted_records_are_reclaimed(tmp_path: Path) -> None:
+    """Records a tombstone killed are dead: the segment holding them is compacted or evicted
+    like any other dead segment."""
+    root = tmp_path / "l3"
+    record = 48 + PAGE
+    b = segment_store(root, segment_bytes=8 * record, touch_interval_s=0)
+    h = hashes(16)
+    assert b.set([PoolTransfer("kv", h[:8], pages_of(h[:8]))]).all_ok  # fills segment 1
+    first = sorted(root.glob("*.kvs"))[0]
+    assert b.delete([PoolTransfer("kv", h[:7])]).all_ok
+    assert b.set([PoolTransfer("kv", h[8:16], pages_of(h[8:16]))]).all_ok
+    assert not first.exists(), "a segment with one live record in eight was compacted away"
+    out = empty(16)
+    assert b.get([PoolTransfer("kv", h, out)]).ok["kv"] == [False] * 7 + [True] * 9
+    assert all(torch.equal(o, expected(x)) for o, x in zip(out[7:], h[7:]))
+    b.close()
