@@ -1,4 +1,5 @@
-"""Triton copy kernels between device and host buffers, with torch references beside them."""
+"""Device↔host copies: the Triton copy kernel, the copy-engine and staged paths, page packing
+for L3, with torch references beside them."""
 
 from __future__ import annotations
 
