@@ -16,7 +16,7 @@ python3 -m pytest -q -p no:cacheprovider tests/kernels tests/runtime/pools tests
   tests/runtime/test_warmup.py tests/runtime/test_cache.py tests/runtime/test_facade_contract.py \
   tests/runtime/test_copy_engine_wait.py tests/runtime/test_copy_engine_cache.py \
   tests/runtime/test_v4_sidecars.py tests/runtime/test_retention.py tests/runtime/test_mla_indexer.py \
-  tests/runtime/test_metrics_export.py tests/runtime/test_staged_wait.py \
+  tests/runtime/test_metrics_export.py \
   tests/runtime/test_staged_cache.py tests/example -k "not l3 and not demo_tiers and not mooncake" \
   2>&1 | tail -12 | tee "$OUT/tests.txt"
 python3 -m profiling.bench_sidecar --out "$OUT" 2>&1 | tee "$OUT/sidecar.txt"

@@ -23,7 +23,7 @@ if [ "${1:-}" = "--e2e" ]; then
   exit 0
 fi
 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_staged_gpu.py \
-  tests/runtime/test_staged_wait.py tests/kernels/test_staged.py tests/runtime/test_staged_cache.py \
+  tests/kernels/test_staged.py tests/runtime/test_staged_cache.py \
   tests/kernels/test_copy_engine_gpu.py tests/runtime/test_copy_engine_wait.py \
   tests/kernels/test_copy_engine.py tests/runtime/test_copy_engine_cache.py 2>&1 | tail -15 \
   | tee "$OUT/tests.txt"

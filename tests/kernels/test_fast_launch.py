@@ -49,6 +49,20 @@ def _entry(dev, host):
     return hits[0]
 
 
+def _tiny_knobs(item: tuple[int, int], tile_bytes: int, small_pages: int) -> TransferKnobs:
+    """Small tiles for small pools; one-layer host->device calls of up to ``small_pages`` pages
+    take the small-call variant (32-byte tiles, 2 warps)."""
+    page_bytes = P * 2 * 2 * item[0] * item[1]  # one layer of one page: K and V, fp16
+    return TransferKnobs(
+        num_programs=2,
+        tile_bytes=tile_bytes,
+        num_warps=1,
+        small_h2d_bytes=small_pages * page_bytes,
+        small_tile_bytes=32,
+        small_num_warps=2,
+    )
+
+
 def _count_jit(monkeypatch) -> list[int]:
     """Count launches that go through ``JITFunction.run``."""
     n = [0]
@@ -71,16 +85,7 @@ def test_direct_launch_matches_reference(layout, direction, item, monkeypatch):
     dev, host, gen = _setup(layout, item, 7, device)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
     jit = _count_jit(monkeypatch)
-    # Host->device calls of up to 3 one-layer pages take the small-call variant.
-    page_bytes = P * 2 * 2 * item[0] * item[1]  # one layer of one page: K and V, fp16
-    knobs = TransferKnobs(
-        num_programs=2,
-        tile_bytes=64,
-        num_warps=1,
-        small_h2d_bytes=3 * page_bytes,
-        small_tile_bytes=32,
-        small_num_warps=2,
-    )
+    knobs = _tiny_knobs(item, tile_bytes=64, small_pages=3)
     d2h = direction == "d2h"
     # Calls of different sizes, layers and scopes: only the first goes through the JIT (which,
     # host->device, also compiles the other variant).
@@ -113,15 +118,7 @@ def test_small_h2d_variant_chosen_by_bytes(layout, device, monkeypatch):
     item = (2, 8)
     dev, host, gen = _setup(layout, item, 11, device)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
-    page_bytes = P * 2 * 2 * item[0] * item[1]  # one layer of one page: K and V, fp16
-    knobs = TransferKnobs(
-        num_programs=2,
-        tile_bytes=128,
-        num_warps=1,
-        small_h2d_bytes=2 * page_bytes,
-        small_tile_bytes=32,
-        small_num_warps=2,
-    )
+    knobs = _tiny_knobs(item, tile_bytes=128, small_pages=2)
     launched = []  # the variant each launch built its arguments for (first: the one it runs)
     args_of = kv_transfer._launch_args
 

@@ -1,5 +1,6 @@
-"""``wait_layer(i)`` is exact on the GPU, on either path: it returns only once layer ``i`` is in
-place. The loaded device slots are poisoned first, and each layer is compared right after its
+"""``wait_layer(i)`` is exact on the GPU, on every path (kernel, copy engine with its kernel lead
+layer, staged: there layer ``i``'s scatter out of the ring): it returns only once layer ``i`` is
+in place. The loaded device slots are poisoned first, and each layer is compared right after its
 wait, on the waiting stream, while later layers may still be in flight. Skipped without a GPU.
 """
 
@@ -27,8 +28,20 @@ L, P, N = 16, 16, 8192  # a 512 MiB load: long enough that later layers are stil
         ("page_first_direct", "copy_engine", False),
         ("page_first_direct", "kernel", True),
         ("page_first", "auto", True),
+        ("layer_first", "staged", True),
+        ("page_first", "staged", True),
+        ("page_first_direct", "staged", True),
     ],
-    ids=["lf-engine-worker", "pfd-engine-worker", "pfd-engine-inline", "pfd-kernel", "pf-auto"],
+    ids=[
+        "lf-engine-worker",
+        "pfd-engine-worker",
+        "pfd-engine-inline",
+        "pfd-kernel",
+        "pf-auto",
+        "lf-staged",
+        "pf-staged",
+        "pfd-staged",
+    ],
 )
 def test_wait_layer_is_exact(layout, io_backend, offload):
     cache = TieredKVCache(
@@ -89,7 +102,13 @@ def test_wait_layer_is_exact(layout, io_backend, offload):
     cache.drain()
     cache.check_integrity()
     st = cache.controller.stats
-    want = "h2d.triton" if layout == "page_first" or io_backend == "kernel" else "h2d.copy_engine"
+    if io_backend == "staged":
+        want = "h2d.staged"
+        assert st.paths.get("d2h.staged", 0) >= 1, st.paths
+    elif layout == "page_first" or io_backend == "kernel":
+        want = "h2d.triton"
+    else:
+        want = "h2d.copy_engine"
     assert st.paths.get(want, 0) >= 1, st.paths
     # Shown with -s: whether the test saw later layers still loading (not asserted: timing).
     how = "worker" if offload else "inline"
