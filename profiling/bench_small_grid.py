@@ -77,7 +77,7 @@ def measure(rounds: int) -> list[dict]:
                     "scope": "all layers" if layer is None else "one layer",
                     "P": P,
                     "programs": programs,
-                    "warps": TransferKnobs(programs).num_warps,
+                    "warps": TransferKnobs(programs).warps,
                     "pct_default": pct["default"],
                     "pct_16_warps": pct["16 warps"],
                     "sgl_kernel_pct": sgl[i],

@@ -188,12 +188,13 @@ class HostCopier:
         ``per_layer``: issued one layer at a time (``plan.issue(layer)``); otherwise all layers
         in one call (``plan.issue()``). The route is chosen for the current stream: plan on the
         stream you will issue on. ``check``: range and page-run checks of the indices (on the
-        CPU, no sync; default :func:`~kvtier.kernels.dispatch.debug_checks`). ``lead``: a
-        per-layer load that takes the copy engine also gets ``plan.lead``, a kernel plan of the
-        same copy, for the layer issued first: before the forward pass computes, the kernel's
-        SMs are free and its launch starts the copy at once, where the copy engine would first
-        spend the batch's enqueue (H100, bench_e2e: the first layer waited 1.9 ms, its copy
-        alone takes 0.6 ms).
+        CPU, no sync; default :func:`~kvtier.kernels.dispatch.debug_checks`). ``lead``: under
+        ``io_backend="auto"``, a per-layer load that takes the copy engine also gets
+        ``plan.lead``, a kernel plan of the same copy, for the layer issued first: before the
+        forward pass computes, the kernel's SMs are free and its launch starts the copy at
+        once, where the copy engine would first spend the batch's enqueue (H100, bench_e2e: the
+        first layer waited 1.9 ms, its copy alone takes 0.6 ms). A forced ``"copy_engine"``
+        gets no lead: no copy of it takes SMs.
         """
         d_items = self._items(dev_idx, "dev_idx")
         h_items = self._items(host_idx, "host_idx")
@@ -231,7 +232,7 @@ class HostCopier:
             if route.path != "copy_engine":
                 return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L)
         plan = self._plan_engine(route, desc, d2h, per_layer)
-        if lead and per_layer and not d2h:
+        if lead and per_layer and not d2h and self.io_backend == "auto":
             lead_route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
             plan.lead = self._plan_kernel(lead_route, d_items, h_items, d2h, layer_bytes)
             plan.keep += plan.lead.keep

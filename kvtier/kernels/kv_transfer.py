@@ -141,8 +141,9 @@ class TransferKnobs:
     Attributes:
         num_programs: grid size cap: at most this many programs (about one SM each) run a copy.
         tile_bytes: bytes one program moves per step (its bytes in flight).
-        num_warps: warps per program; None (the default) picks 16, or 32 where
-            ``num_programs`` is 1 or 2: with one program per SM, twice the warps keep twice the
+        num_warps: warps per program; None (the default) follows the grid (``warps``): 16,
+            or 32 where ``num_programs`` is 1 or 2 (also after ``dataclasses.replace`` changes
+            ``num_programs``): with one program per SM, twice the warps keep twice the
             accesses in flight (H100, P=16, 2 programs: D2H 85 -> 94% of the copy engine, H2D
             one layer 68 -> 86%; at 4 programs 16 and 32 warps are within a point or two,
             profiling/results/gpu_kernel.md).
@@ -165,12 +166,9 @@ class TransferKnobs:
     small_num_warps: int = 32
 
     def __post_init__(self) -> None:
-        if self.num_warps is None and type(self.num_programs) is int:
-            object.__setattr__(self, "num_warps", 32 if self.num_programs <= 2 else 16)
         for name in (
             "num_programs",
             "tile_bytes",
-            "num_warps",
             "small_h2d_bytes",
             "small_tile_bytes",
             "small_num_warps",
@@ -182,12 +180,23 @@ class TransferKnobs:
             raise ValueError(f"num_programs must be >= 1, got {self.num_programs}")
         if self.small_h2d_bytes < 0:
             raise ValueError(f"small_h2d_bytes must be >= 0, got {self.small_h2d_bytes}")
-        for tile, warps in (("tile_bytes", "num_warps"), ("small_tile_bytes", "small_num_warps")):
+        w = self.num_warps
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
+            raise TypeError(f"num_warps: expected an int or None, got {w!r}")
+        for tile, warps in (("tile_bytes", "warps"), ("small_tile_bytes", "small_num_warps")):
             t, w = getattr(self, tile), getattr(self, warps)
             if t < 16 or t & (t - 1):
                 raise ValueError(f"{tile} must be a power of two >= 16, got {t}")
             if w not in (1, 2, 4, 8, 16, 32):
-                raise ValueError(f"{warps} must be a power of two in [1, 32], got {w}")
+                name = "num_warps" if warps == "warps" else warps
+                raise ValueError(f"{name} must be a power of two in [1, 32], got {w}")
+
+    @property
+    def warps(self) -> int:
+        """The warps per program a launch uses: ``num_warps``, or the grid's default."""
+        if self.num_warps is not None:
+            return self.num_warps
+        return 32 if self.num_programs <= 2 else 16
 
     def small_variant(self) -> TransferKnobs:
         """The knobs of the small host->device call variant (whose own variant is off)."""
@@ -411,7 +420,7 @@ def _prepared(
             TABLE_SCALE=dev.table_unit // w,
             BLOCK_R=block_r,
             BLOCK_W=block_w,
-            num_warps=knobs.num_warps,
+            num_warps=knobs.warps,
         ),
     )
     if len(_PREPARED) >= _PREPARED_MAX:

@@ -352,7 +352,8 @@ class TieredKVCache:
     def clear_storage(self) -> StorageChange:
         """Remove the pages this cache wrote to the attached backend, in the first ``poll`` at
         which every TP rank asked: through the backend's per-key ``delete`` (the latest million
-        pages the tier remembers writing; other caches' pages on a shared store stay), or, for a
+        pages the tier remembers writing; pages under keys it did not write stay, but a cache of
+        the same deployment that wrote the same keys loses them too), or, for a
         backend without ``delete``, whatever its ``clear`` removes; the cache forgets which pages
         it wrote. Writes still in flight may land afterwards. Pages that could not be removed,
         or a ``clear`` that raises, end the change ``FAILED`` with the error (counted); the cache

@@ -91,8 +91,9 @@ class TransferStats:
     time. ``*_ack_seconds`` is the latency a scheduler sees: from submission to the ``poll``
     that acknowledged the copy, summed over ``*_acked`` copies.
 
-    ``paths`` counts planned copies (one per pool pair per backup or load batch) by
-    ``"<d2h|h2d>.<path>"`` (``copy_engine``, ``triton``, ``interpreter``, ``torch``);
+    ``paths`` counts planned copies (one per pool pair per backup or load batch, plus the
+    kernel lead of a copy-engine load's first layer) by ``"<d2h|h2d>.<path>"``
+    (``copy_engine``, ``staged``, ``triton``, ``interpreter``, ``torch``);
     ``route_reasons`` counts them by :class:`~kvtier.kernels.dispatch.RouteReason` value.
     """
 
@@ -345,14 +346,27 @@ class CacheController:
         t0 = time.perf_counter()
         plans: dict[str, list[tuple[BoundCopier, CopyPlan]]] = {}
         idx: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        first_pool, first_layer = self.layer_map[0] if self.layer_map else (None, None)
         with self._after_compute(self.load_stream):
             # Every layer's descriptors (or the device-side indices) once per batch, before the
-            # first layer is issued: the per-layer issue is then one call per pool pair.
+            # first layer is issued: the per-layer issue is then one call per pool pair. A plan
+            # that owns the batch's first step gets a kernel lead for it (HostCopier.plan).
             for pool, (d, h) in cpu_idx.items():
                 copiers = self.bindings[pool].copiers
                 if copiers:
                     plans[pool] = [
-                        (c, c.copier.plan(d, h, d2h=False, per_layer=True, check=False, lead=True))
+                        (
+                            c,
+                            c.copier.plan(
+                                d,
+                                h,
+                                d2h=False,
+                                per_layer=True,
+                                check=False,
+                                lead=pool == first_pool
+                                and (c.layers is None or c.layers.get(first_layer) is not None),
+                            ),
+                        )
                         for c in copiers
                     ]
                 else:
@@ -382,14 +396,24 @@ class CacheController:
 
             all_plans = [p for pool_plans in plans.values() for _, p in pool_plans]
             ticket = None
-            if self._offload(all_plans) and self.layer_map:
-                # Step 0 here, at once; the worker enqueues the rest while the forward starts.
-                enqueue(first=0, stop=1)
-                ticket = self._worker.submit(
-                    lambda t: enqueue(t, first=1), len(self.layer_map), done=1
-                )
-            else:
-                enqueue()
+            try:
+                if not self._offload(all_plans):
+                    enqueue()
+                elif not any(p.lead is not None for p in all_plans):
+                    ticket = self._worker.submit(enqueue, len(self.layer_map))
+                else:
+                    # The lead step here, at once; the worker enqueues the rest while the
+                    # forward starts.
+                    enqueue(first=0, stop=1)
+                    ticket = self._worker.submit(
+                        lambda t: enqueue(t, first=1), len(self.layer_map), done=1
+                    )
+            except BaseException:
+                # Nothing is in flight on the books: the batch goes back to the queue (its
+                # nodes already count as on device), so a later start_loading issues it again;
+                # copies this call enqueued before failing move the same bytes again.
+                self._queued = loads + self._queued
+                raise
         keep = [t for pair in idx.values() for t in pair]
         for pool_plans in plans.values():
             for _, p in pool_plans:

@@ -19,7 +19,7 @@ from kvtier.kernels import copier as copier_mod
 from kvtier.kernels import copy_engine
 from kvtier.kernels.copier import HostCopier
 from kvtier.kernels.copy_engine import ChunkGeometry, build_descriptors, engine_support
-from kvtier.kernels.dispatch import CROSSOVERS, RouteReason, check_io_backend, select_route
+from kvtier.kernels.dispatch import CROSSOVERS, Route, RouteReason, check_io_backend, select_route
 from kvtier.kernels.reference import ref_copy_kv
 from tests.kernels.helpers import (
     as_bytes,
@@ -350,12 +350,15 @@ def test_copier_engine_route(emulated_engine, kind, layout):
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 def test_copier_lead_layer_goes_through_the_kernel(emulated_engine, layout):
-    """A per-layer load planned with ``lead=True`` carries a kernel plan of the same copy: the
+    """Under auto, a per-layer load planned with ``lead=True`` carries a kernel plan of the same copy: the
     first layer a load issues goes through it (no batch call), the others through the engine,
     and the bytes equal the reference. Backups and whole-copy plans get no lead."""
     P = 16
     dev, host, gen = _setup("mha", layout, P, seed=12)
-    c = HostCopier(dev, host, io_backend="copy_engine")
+    forced = HostCopier(dev, host, io_backend="copy_engine")
+    c = HostCopier(dev, host, io_backend="auto")
+    # auto takes the copy engine for these (tiny) calls
+    c.route = lambda **kw: Route("copy_engine", RouteReason.AUTO_ENGINE)
     d_slots = pages_to_slots(pick_pages(DEV_PAGES, 3, gen), P)
     h_slots = pages_to_slots(pick_pages(HOST_PAGES, 3, gen), P)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
@@ -377,6 +380,8 @@ def test_copier_lead_layer_goes_through_the_kernel(emulated_engine, layout):
     assert c.plan(d_slots, h_slots, d2h=True, per_layer=True, lead=True).lead is None
     assert c.plan(d_slots, h_slots, d2h=False, per_layer=False, lead=True).lead is None
     assert c.plan(d_slots, h_slots, d2h=False, per_layer=True).lead is None
+    # A forced copy engine takes no SMs: no lead.
+    assert forced.plan(d_slots, h_slots, d2h=False, per_layer=True, lead=True).lead is None
 
 
 def test_copier_index_group(emulated_engine):

@@ -9,6 +9,8 @@ The direct launch exists on CUDA only; on the CPU (interpreter) the cache must s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -105,7 +107,7 @@ def test_direct_launch_matches_reference(layout, direction, item, monkeypatch):
         assert len(entries) == (1 if d2h else 2), what
         assert all(e.compiled is not None for e in entries), what
     if not d2h:
-        tiles = sorted(e.meta["num_warps"] for e in _entries(dev, host))
+        tiles = sorted(e.meta["num_warps"] for e in _entries(dev, host))  # the two variants
         assert tiles == [1, 2], tiles
     want = 1 if d2h else 2  # host->device: the first call's launch + the other's compile
     assert jit[0] == want, f"{jit[0]} calls went through the JIT, expected {want}"
@@ -145,11 +147,17 @@ def test_small_h2d_variant_chosen_by_bytes(layout, device, monkeypatch):
 def test_default_warps_follow_the_grid():
     """One program per SM wants more warps in flight: 32 at 1-2 programs, 16 from 4 up; an
     explicit value is kept."""
-    assert [TransferKnobs(n).num_warps for n in (1, 2, 3, 4, 64)] == [32, 32, 16, 16, 16]
-    assert TransferKnobs(2, num_warps=8).num_warps == 8
-    assert TransferKnobs(2) == TransferKnobs(2, num_warps=32)
+    assert [TransferKnobs(n).warps for n in (1, 2, 3, 4, 64)] == [32, 32, 16, 16, 16]
+    assert TransferKnobs(2, num_warps=8).warps == 8
+    # The default follows the grid through dataclasses.replace too.
+    assert dataclasses.replace(TransferKnobs(), num_programs=2).warps == 32
+    assert dataclasses.replace(TransferKnobs(1), num_programs=8).warps == 16
     with pytest.raises(TypeError, match="num_programs"):
         TransferKnobs("2")
+    with pytest.raises(TypeError, match="num_warps"):
+        TransferKnobs(2, num_warps=8.0)
+    with pytest.raises(ValueError, match="num_warps"):
+        TransferKnobs(2, num_warps=3)
 
 
 def test_small_variant_knobs_are_checked():

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from kvtier.kernels import copier as copier_mod
+from kvtier.kernels import dispatch
 from kvtier.kernels.copier import IssueWorker
 from kvtier.kernels.copy_engine import EngineSupport
 from kvtier.kernels.dispatch import RouteReason
-from tests.runtime.synthetic import MODELS, make_cache, run_turn
+from tests.runtime.synthetic import MODELS, check_cached, make_cache, run_turn
 
 
 @pytest.mark.parametrize("value, exc", [("fast", ValueError), (3, TypeError)])
@@ -71,18 +72,84 @@ def test_engine_route_end_to_end(monkeypatch, layout, worker):
         cache.controller._worker = IssueWorker()
     _turns(cache)  # run_turn checks every cached position against a cold computation
     st = cache.controller.stats
-    # Every copy-engine load plan has a kernel lead for the first layer a load issues.
-    lead = RouteReason.LEAD_LAYER.value
-    assert st.route_reasons[lead] == st.paths["h2d.copy_engine"], st.route_reasons
     if layout == "page_first":
         # The two full layers interleave inside a host page: the kernel moves them. The one
         # SWA layer has nothing to interleave with: its pages are contiguous.
-        assert set(st.route_reasons) == {"fallback_not_contiguous", "io_backend_copy_engine", lead}
+        assert set(st.route_reasons) == {"fallback_not_contiguous", "io_backend_copy_engine"}
         assert calls
     else:
-        leads = set(st.paths) - {"d2h.copy_engine", "h2d.copy_engine"}
-        assert leads and leads <= {"h2d.interpreter", "h2d.torch", "h2d.triton"}, st.paths
-        assert set(st.route_reasons) == {"io_backend_copy_engine", lead}
-        # a load issues one batch per pool layer that holds bytes to move, less its lead layer
-        assert len(calls) >= st.paths["d2h.copy_engine"]
+        # A forced copy engine takes no SMs: no kernel lead layer.
+        assert set(st.paths) == {"d2h.copy_engine", "h2d.copy_engine"}
+        assert set(st.route_reasons) == {"io_backend_copy_engine"}
+        # a load issues one batch per pool layer that holds bytes to move
+        assert len(calls) >= st.paths["d2h.copy_engine"] + st.paths["h2d.copy_engine"]
     assert threads == ({"kvtier-issue"} if worker else {threading.main_thread().name})
+
+
+def _auto_engine(monkeypatch) -> list[str]:
+    """The copy engine 'available' (batches run as memmoves) and ``auto`` taking it for any
+    size, so that loads get a kernel lead layer; returns the threads that issued batches."""
+    threads: list[str] = []
+
+    def batch(dsts, srcs, sizes, stream):
+        threads.append(threading.current_thread().name)
+        for d, s, n in zip(dsts, srcs, sizes):
+            ctypes.memmove(int(d), int(s), int(n))
+
+    monkeypatch.setattr(copier_mod, "engine_support", lambda device: EngineSupport(True))
+    monkeypatch.setattr(copier_mod, "memcpy_batch", batch)
+    for d in ("d2h", "h2d"):
+        monkeypatch.setitem(dispatch.CROSSOVERS, d, dispatch.Crossover(1, 1, 10**9))
+    return threads
+
+
+def test_auto_engine_loads_lead_with_the_kernel(monkeypatch):
+    """Under auto, a copy-engine load issues its first step through the kernel, inline; the
+    issue thread enqueues the rest; every position equals a cold computation."""
+    threads = _auto_engine(monkeypatch)
+    cache = make_cache(
+        MODELS["full+swa"], "write_through", io_backend="auto", host_layout="layer_first"
+    )
+    cache.controller._worker = IssueWorker()
+    _turns(cache)
+    st = cache.controller.stats
+    lead = RouteReason.LEAD_LAYER.value
+    # One lead per load batch, for the copier of the batch's first step only.
+    assert st.route_reasons.get(lead) == 1, (st.route_reasons, st.paths)
+    assert st.route_reasons["auto_copy_engine"] >= 2 and threads, st.route_reasons
+    assert set(threads) == {"kvtier-issue"}
+
+
+def test_inline_first_step_failure_requeues_the_batch(monkeypatch):
+    """A failure while the first step is issued inline leaves the batch queued (nothing on the
+    books in flight); a later start_loading issues it and the hit is served exactly."""
+    _auto_engine(monkeypatch)
+    cache = make_cache(
+        MODELS["full"], "write_through", io_backend="auto", host_layout="layer_first"
+    )
+    cache.controller._worker = IssueWorker()
+    gen = torch.Generator().manual_seed(5)
+    conv = torch.randint(0, 50, (12,), generator=gen).tolist()
+    run_turn(cache, conv)
+    cache.drain()
+    cache.evict(cache.config.device_tokens)
+    real = copier_mod.copy_host_to_device
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(copier_mod, "copy_host_to_device", broken)
+    req = cache.match(conv + [7, 7, 1, 2])
+    assert req.host_hit > 0
+    cache.reserve(req, len(req.token_ids) + 3)
+    ctl = cache.controller
+    queued = list(ctl._queued)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        cache.start_loading()
+    assert ctl._queued == queued and not ctl._loads
+    monkeypatch.setattr(copier_mod, "copy_host_to_device", real)
+    assert cache.start_loading()
+    check_cached(cache, req)
+    cache.abort(req)
+    cache.drain()
+    cache.check_integrity()

@@ -9,7 +9,8 @@ different changes (attach on one, clear on another) have both refused at that po
 (``ChangeOutcome.REFUSED``, counted), and their books stay as they were.
 
 Clear removes the pages this cache wrote (those its tier remembers as stored) with the backend's
-per-page ``delete``, so other caches' pages in a shared store stay; a backend that cannot delete
+per-page ``delete``, so pages under keys this cache did not write stay (keys are content
+hashes: another cache of the same deployment shares them); a backend that cannot delete
 single pages is cleared whole. Pages a rank could not remove end its change ``FAILED``.
 
 States of the tier (``StorageSwitch.state``)::
@@ -289,7 +290,7 @@ class StorageSwitch:
     def _clear(self, ch: StorageChange) -> None:
         tier = self.tier
         # The pages this cache wrote (the tier remembers the latest ``_STORED_MEMORY``), read
-        # before the tier forgets them; other caches' pages in the same store stay.
+        # before the tier forgets them; pages under keys it did not write stay.
         pages: dict[str, list[str]] = {}
         for pool, h in tier.stored_pages():
             pages.setdefault(pool, []).append(h)
