@@ -15,7 +15,9 @@ gets the other's half (checked byte for byte); raw: two processes writing and re
 Last, the index rebuild: ``create_backend`` over a root of synthetic journals (1M entries).
 
 GB/s is the median over repeats (1e9 B/s); batch latency percentiles pool every batch of every
-repeat. The VM's disk and 2 CPUs are shared with other work: compare rows of one run only.
+repeat; CPU s/GB is the median over repeats of the process CPU time (user and system, all
+threads: ``time.process_time``) per 1e9 bytes, the figure to compare on a busy VM. The VM's
+disk and 2 CPUs are shared with other work: compare rows of one run only.
 """
 
 from __future__ import annotations
@@ -47,16 +49,33 @@ NS = Namespace("bench", "bfloat16", 16, "page_first")
 STORES = ("segment", "segment-once", "per-page")
 
 
+class Batches(list[float]):
+    """Each batch's wall seconds, and ``cpu_s``: the process CPU seconds (user and system, all
+    threads) the batches took together. On a shared VM, CPU per byte is steadier than wall
+    time: other work delays a measurement but does not add to its CPU."""
+
+    cpu_s: float | None = None
+
+
 @dataclass
 class Samples:
-    """Seconds per repeat, and each batch's seconds over every repeat."""
+    """Seconds per repeat, each batch's seconds over every repeat, and CPU seconds per repeat
+    (where measured)."""
 
     totals: list[float] = field(default_factory=list)
     batches: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
 
     def add(self, batch_seconds: list[float]) -> None:
         self.totals.append(sum(batch_seconds))
         self.batches += batch_seconds
+        cpu_s = getattr(batch_seconds, "cpu_s", None)
+        if cpu_s is not None:
+            self.cpu.append(cpu_s)
+
+    def cpu_per_gb(self, nbytes: int) -> float | None:
+        """Median process CPU seconds per 1e9 bytes moved, or None if not measured."""
+        return statistics.median(self.cpu) / (nbytes / 1e9) if self.cpu else None
 
     def gbps(self, nbytes: int) -> float:
         return nbytes / statistics.median(self.totals) / 1e9
@@ -92,19 +111,21 @@ def drop_caches(directory: Path) -> str:
         return "posix_fadvise(DONTNEED)"
 
 
-def timed(fn: Callable[[int], None], n: int) -> list[float]:
-    out = []
+def timed(fn: Callable[[int], None], n: int) -> Batches:
+    out = Batches()
+    cpu = time.process_time()
     for i in range(n):
         start = time.perf_counter()
         fn(i)
         out.append(time.perf_counter() - start)
+    out.cpu_s = time.process_time() - cpu
     return out
 
 
 # -- raw sequential IO --------------------------------------------------------------------------
 
 
-def raw_write(path: Path, src: memoryview, fsync: bool) -> list[float]:
+def raw_write(path: Path, src: memoryview, fsync: bool) -> Batches:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
     def one(i: int) -> None:
@@ -118,7 +139,7 @@ def raw_write(path: Path, src: memoryview, fsync: bool) -> list[float]:
         os.close(fd)
 
 
-def raw_read(path: Path, dst: memoryview) -> list[float]:
+def raw_read(path: Path, dst: memoryview) -> Batches:
     fd = os.open(path, os.O_RDONLY)
     try:
         return timed(
@@ -139,7 +160,7 @@ def page_views(pool: torch.Tensor, page_bytes: int) -> list[torch.Tensor]:
     return list(pool[: n * page_bytes].view(n, page_bytes).unbind(0))
 
 
-def store_put(b: StorageBackend, keys: list[str], pages: list[torch.Tensor]) -> list[float]:
+def store_put(b: StorageBackend, keys: list[str], pages: list[torch.Tensor]) -> Batches:
     per = max(1, BATCH_BYTES // pages[0].numel())
 
     def one(i: int) -> None:
@@ -149,7 +170,7 @@ def store_put(b: StorageBackend, keys: list[str], pages: list[torch.Tensor]) -> 
     return timed(one, len(keys) // per)
 
 
-def store_get(b: StorageBackend, keys: list[str], pages: list[torch.Tensor]) -> list[float]:
+def store_get(b: StorageBackend, keys: list[str], pages: list[torch.Tensor]) -> Batches:
     per = max(1, BATCH_BYTES // pages[0].numel())
 
     def one(i: int) -> None:
@@ -426,9 +447,10 @@ def table(rows: list[Row], total: int) -> list[str]:
     out = [
         (
             "| where | page | operation | raw GB/s | segment GB/s | % of raw | segment batch p50 / p90 / p99 ms "
-            "| segment, verify once GB/s | % of raw | per-page GB/s | % of raw | load |"
+            "| segment, verify once GB/s | % of raw | per-page GB/s | % of raw "
+            "| CPU s/GB raw / segment | load |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         raw = r.raw.gbps(total)
@@ -442,6 +464,9 @@ def table(rows: list[Row], total: int) -> list[str]:
             if kind == "segment":
                 p50, p90, p99 = s.percentiles_ms()
                 cells.append(f"{p50:.1f} / {p90:.1f} / {p99:.1f}")
+        seg = r.stores.get("segment")
+        cpu = (r.raw.cpu_per_gb(total), seg.cpu_per_gb(total) if seg is not None else None)
+        cells.append(" / ".join("-" if c is None else f"{c:.3f}" for c in cpu))
         cells.append(f"{r.load:.1f}")
         out.append("| " + " | ".join(cells) + " |")
     return out

@@ -63,7 +63,7 @@ spare; a backend's own decorations (the file store's suffix and temp-file tag) m
 a 255-byte file name."""
 
 _PAGE_HASH = re.compile(r"[0-9a-f]{64}")
-_PAGE_HASHES = re.compile(r"(?:[0-9a-f]{64}\n)*")  # a batch of hashes, each ended by a newline
+_HEX_DIGITS = b"0123456789abcdef"
 _OBJECT_KEY = re.compile(r"[0-9a-f]{64}\.[a-z0-9_]+(?:\.r(?:0|[1-9][0-9]*))?")
 
 
@@ -393,13 +393,15 @@ class StorageBackend(ABC):
 
     def _object_keys_valid(self, hashes: list[object], pool: str) -> list[str] | None:
         """The object names of ``hashes`` when every one is a page hash, else None: the batch's
-        check with one regex over the joined hashes and one name check for the pool suffix,
-        instead of two regexes per page.
+        check with a few C-speed passes over the joined hashes and one name check for the pool
+        suffix, instead of two regexes per page (a regex over the joined text cost ~0.4 us per
+        page; these passes ~0.05).
 
-        Why one match covers every page: the joined text must be ``len(hashes)`` runs of 64
-        lowercase hex chars, each followed by a newline, exactly ``65 * len(hashes)`` chars long.
-        Every newline in it is then one of the separators put there, so no hash holds one, and
-        each hash is exactly one run of 64 hex chars.
+        Why they cover every page: the joined text (``join`` refuses a non-str) must be ASCII,
+        exactly ``65 * len(hashes) - 1`` chars long, hold a newline at every 65th place (64,
+        129, ...) and nothing but lowercase hex digits besides those ``len(hashes) - 1``
+        newlines. Then the newlines are exactly the separators put there, and each hash is one
+        run of 64 lowercase hex chars.
         """
         if not hashes:
             return []
@@ -407,7 +409,12 @@ class StorageBackend(ABC):
             joined = "\n".join(hashes)  # type: ignore[arg-type]  # TypeError for a non-str
         except TypeError:
             return None
-        if len(joined) != 65 * len(hashes) - 1 or not _PAGE_HASHES.fullmatch(joined + "\n"):
+        n = len(hashes)
+        if len(joined) != 65 * n - 1 or not joined.isascii():
+            return None
+        raw = joined.encode("ascii")
+        seps = b"\n" * (n - 1)
+        if raw[64::65] != seps or raw.translate(None, _HEX_DIGITS) != seps:
             return None
         names = self.scope.object_keys(hashes, pool)  # type: ignore[arg-type]  # all str
         # The names differ only in their hash, so one check covers the pool and rank suffix.
@@ -417,9 +424,11 @@ class StorageBackend(ABC):
         pages = self._check_pages(transfers)
         names = [k for t in transfers for k in self._object_keys(t)]
         self._check_buffers(pages)
-        todo = [i for i, k in enumerate(names) if k is not None]
-        keys = [names[i] for i in todo]
-        some = [pages[i] for i in todo]
+        if None in names:
+            todo = [i for i, k in enumerate(names) if k is not None]
+            keys, some = [names[i] for i in todo], [pages[i] for i in todo]
+        else:  # every key valid: the common case
+            todo, keys, some = list(range(len(names))), names, pages  # type: ignore[assignment]
         start = time.perf_counter()
         done = [False] * len(names)
         try:
@@ -475,6 +484,15 @@ class StorageBackend(ABC):
                 )
             tensor, uint8 = torch.Tensor, torch.uint8
             for i, page in enumerate(t.pages):
+                if (
+                    isinstance(page, tensor)
+                    and page.dtype is uint8
+                    and page.dim() == 1
+                    and page.is_contiguous()
+                    and page.is_cpu
+                ):
+                    out.append((page,))  # the common case, without the loop over parts
+                    continue
                 parts = (page,) if isinstance(page, tensor) else tuple(page)
                 for p in parts:
                     if (

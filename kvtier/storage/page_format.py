@@ -23,10 +23,11 @@ check either (a page whose algorithm the reader lacks counts as a checksum miss)
 from __future__ import annotations
 
 import ctypes
+import itertools
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -158,6 +159,7 @@ try:
     _DEFAULT = _XXH3
 except ImportError:  # pragma: no cover - depends on the environment
     _DEFAULT = _CRC32
+    _NOGIL = None
     _STREAM = None
 
 
@@ -207,6 +209,11 @@ def xxh3_stream(parts: Sequence[memoryview]) -> Xxh3Stream | None:
     for p in parts:
         if p.readonly or not p.c_contiguous:
             return None
+    return _thread_stream()
+
+
+def _thread_stream() -> Xxh3Stream:
+    """This thread's ``Xxh3Stream``, reset (``_STREAM`` must be available)."""
     s = getattr(_streams, "s", None)
     if s is None:
         s = _streams.s = Xxh3Stream()
@@ -239,50 +246,140 @@ def buffer_of(page: torch.Tensor) -> memoryview:
 
 
 class PageViews:
-    """Byte views of a batch's pages, made on demand: ``views[i]`` is ``buffer_of`` of each part
-    of page ``i``.
+    """Byte views of a batch's pages: ``views[i]`` is ``buffer_of`` of each part of page ``i``;
+    ``iovecs`` gives several pages' bytes as few views as their memory allows, and ``checksum``
+    hashes a page by address.
 
     Parts are 1-D contiguous uint8 CPU tensors (``StorageBackend`` checked them). A batch's pages
-    are normally views into one host pool, so this makes one memoryview per distinct storage and
-    slices it per part (a few hundred ns) instead of a numpy array per part (microseconds). The
-    views share the caller's memory and are valid while the caller holds its tensors: for the
-    duration of the call that passes them in. Several threads may index one ``PageViews``.
+    are normally views into one host pool: every part's address and size is read once (two
+    cheap calls per part), and when all of them lie inside the first part's storage (the common
+    case) every view is a slice of one memoryview of that storage; other parts get a view of
+    their own storage. Pages next to each other in memory come out as one view (``iovecs``), so a
+    run of a host pool's consecutive pages is one iovec, and a page is hashed by its address
+    (``checksum``) with no view at all. The views share the caller's memory and are valid while
+    the caller holds its tensors: for the duration of the call that passes them in. Several
+    threads may use one ``PageViews``.
     """
 
     def __init__(self, pages: Sequence[Sequence[torch.Tensor]]) -> None:
         self._pages = pages
-        # id(storage) -> (storage, a view of all of it); the storage stays referenced here so
-        # that its id cannot be reused while the entry exists.
-        self._whole: dict[int, tuple[torch.UntypedStorage, memoryview]] = {}
+        self._counts = [len(parts) for parts in pages]
+        flat = [p for parts in pages for p in parts]
+        self._single = self._counts.count(1) == len(pages)  # one part each: part k is page k
+        self._first = None if self._single else [0, *itertools.accumulate(self._counts)]
+        self._ptrs = [p.data_ptr() for p in flat]
+        self._sizes = [p.numel() for p in flat]
+        # Region of each part: (address of a view's first byte, the view); a part whose bytes
+        # lie in the first part's storage shares its region (the storage stays referenced here
+        # while the views exist, as does every other region's).
+        self._keep: list[torch.UntypedStorage] = []
+        self._regions: list[tuple[int, memoryview]] = []
+        self._region: list[int] = []
+        if flat:
+            lo, hi = self._add_region(flat[0].untyped_storage())
+            inside = [n == 0 or (lo <= a and a + n <= hi) for a, n in zip(self._ptrs, self._sizes)]
+            if all(inside):
+                self._region = [0] * len(flat)
+            else:
+                known = {lo: 0}
+                for k, p in enumerate(flat):
+                    if inside[k]:
+                        self._region.append(0)
+                        continue
+                    storage = p.untyped_storage()
+                    r = known.get(storage.data_ptr())
+                    if r is None:
+                        r = known[storage.data_ptr()] = len(self._regions)
+                        self._add_region(storage)
+                    self._region.append(r)
+
+    def _add_region(self, storage: torch.UntypedStorage) -> tuple[int, int]:
+        """A view of all of ``storage`` by address (no torch call per part: cheaper, and it never
+        gives up the GIL mid-batch); its address range."""
+        lo, n = storage.data_ptr(), storage.nbytes()
+        raw = (ctypes.c_ubyte * n).from_address(lo) if n else bytearray()
+        self._keep.append(storage)
+        self._regions.append((lo, memoryview(raw).cast("B")))
+        return lo, lo + n
 
     def __len__(self) -> int:
         return len(self._pages)
 
     def counts(self) -> list[int]:
-        """How many parts each page has."""
-        return [len(parts) for parts in self._pages]
+        """How many parts each page has (shared with this object: not to be changed)."""
+        return self._counts
 
     def lengths(self) -> list[int]:
-        """Each page's length in bytes."""
-        return [
-            parts[0].numel() if len(parts) == 1 else sum(p.numel() for p in parts)
-            for parts in self._pages
-        ]
+        """Each page's length in bytes (shared with this object: not to be changed)."""
+        if self._single:
+            return self._sizes
+        sizes, first = self._sizes, self._first
+        return [sum(sizes[first[i] : first[i + 1]]) for i in range(len(self._pages))]  # type: ignore[index]
+
+    def _parts(self, i: int) -> range:
+        return range(i, i + 1) if self._single else range(self._first[i], self._first[i + 1])  # type: ignore[index]
 
     def __getitem__(self, i: int) -> list[memoryview]:
         out = []
-        whole = self._whole
-        for p in self._pages[i]:
-            storage = p.untyped_storage()
-            got = whole.get(id(storage))
-            if got is None:
-                # A view of the storage's bytes by address (no torch call: cheaper, and it never
-                # gives up the GIL mid-batch); ``storage`` itself is kept alive in ``whole``.
-                raw = (ctypes.c_ubyte * storage.nbytes()).from_address(storage.data_ptr())
-                got = whole.setdefault(id(storage), (storage, memoryview(raw).cast("B")))
-            start = p.storage_offset()
-            out.append(got[1][start : start + p.numel()])
+        for k in self._parts(i):
+            base, view = self._regions[self._region[k]]
+            start = self._ptrs[k] - base
+            out.append(view[start : start + self._sizes[k]])
         return out
+
+    def iovecs(self, pages: Iterable[int]) -> list[memoryview]:
+        """The bytes of ``pages``, in that order, as views: parts that follow each other in one
+        region's memory are one view; empty parts are left out."""
+        out: list[memoryview] = []
+        ptrs, sizes, region, regions = self._ptrs, self._sizes, self._region, self._regions
+        r0 = start = end = -1
+        for i in pages:
+            for k in (i,) if self._single else self._parts(i):
+                a, n, r = ptrs[k], sizes[k], region[k]
+                if not n:
+                    continue
+                if a == end and r == r0:
+                    end += n
+                    continue
+                if start >= 0:
+                    base, view = regions[r0]
+                    out.append(view[start - base : end - base])
+                r0, start, end = r, a, a + n
+        if start >= 0:
+            base, view = regions[r0]
+            out.append(view[start - base : end - base])
+        return out
+
+    def checksum(self, i: int) -> tuple[int, int]:
+        """``payload_checksum`` of page ``i``: by address where XXH3 runs without the GIL."""
+        if _DEFAULT == _XXH3 and _NOGIL is not None:
+            if self._single:
+                n = self._sizes[i]
+                if n:
+                    return _XXH3, _NOGIL(self._ptrs[i], n)
+            elif _STREAM is not None:
+                stream = _thread_stream()
+                for k in self._parts(i):
+                    if self._sizes[k]:
+                        _STREAM[3](stream._state, self._ptrs[k], self._sizes[k])
+                return _XXH3, stream.digest()
+        return payload_checksum(self[i])
+
+    def checksums(self, pages: Iterable[int]) -> list[tuple[int, int]]:
+        """``checksum`` of each of ``pages``, in a tight loop (a run's pages at once)."""
+        if _DEFAULT == _XXH3 and _NOGIL is not None and self._single:
+            ptrs, sizes, digest = self._ptrs, self._sizes, _NOGIL
+            return [
+                (_XXH3, digest(ptrs[i], sizes[i])) if sizes[i] else self.checksum(i) for i in pages
+            ]
+        return [self.checksum(i) for i in pages]
+
+    def matches(self, i: int, algorithm: int, checksum: int) -> bool:
+        """Whether page ``i`` hashes to ``checksum`` under ``algorithm`` (``checksum_matches``;
+        by address for the default algorithm)."""
+        if algorithm == _DEFAULT:
+            return self.checksum(i)[1] == checksum
+        return checksum_matches(algorithm, checksum, self[i])
 
 
 def buffers_of(pages: Sequence[Sequence[torch.Tensor]]) -> tuple[list[list[memoryview]], list[int]]:

@@ -124,19 +124,22 @@ class Index:
 
     # -- catching up with the root ----------------------------------------------------------------
 
-    def refresh_locked(self, tail: bool) -> None:
+    def refresh_locked(self, tail: bool) -> bool:
         """Catch up with the root: list it if it changed, and with ``tail`` read what the other
-        writers' latest journals gained."""
+        writers' latest journals gained. Whether it looked (the index may have changed)."""
         try:
             mtime = os.fstat(self._dirfd).st_mtime_ns
         except OSError:
-            return
+            return False
+        looked = tail
         if mtime != self._dir_mtime or (tail and time.time_ns() - mtime < _COARSE_NS):
             self._dir_mtime = mtime
             self._rescan_locked()
+            looked = True
         if tail:
             for seg in [s for s in self.segments.values() if s.jfd is not None]:
                 self._tail_locked(seg)
+        return looked
 
     def forget_listing_locked(self) -> None:
         """List the root again on the next call."""
@@ -216,12 +219,14 @@ class Index:
         self.unpin_locked(seg)
 
     def insert_locked(self, seg: Segment, entries: Iterable[Entry], trusted: bool = False) -> None:
-        """Index journal entries of ``seg`` (the start-up path: kept lean)."""
-        index, keys, stem, tombs = self.entries, seg.keys, seg.stem, self.tombs
+        """Index journal entries of ``seg`` (tuples of ``Entry``'s fields): the start-up path and
+        every append, so kept lean (no per-entry call but the dict's)."""
+        index, stem, tombs = self.entries, seg.stem, self.tombs
+        get, keep, new = index.get, seg.keys.append, tuple.__new__
         live = live_bytes = 0
         end = seg.end
         for key, offset, length, seq, time_ns, algorithm, checksum, deleted in entries:
-            keys.append(key)
+            keep(key)
             if deleted:
                 self._tombstone_locked(key, (time_ns, stem, seq))
                 continue
@@ -229,14 +234,15 @@ class Index:
                 tomb = tombs.get(key)
                 if tomb is not None and tomb >= (time_ns, stem, seq):
                     continue  # deleted after it was written
-            end = max(end, offset + length)
-            old = index.get(key)
+            if offset + length > end:
+                end = offset + length
+            old = get(key)
             if old is not None:
                 if (old.time_ns, old.seg.stem, old.seq) >= (time_ns, stem, seq):
                     continue
                 old.seg.live -= 1
                 old.seg.live_bytes -= old.length
-            index[key] = Loc(seg, offset, length, seq, time_ns, trusted, algorithm, checksum)
+            index[key] = new(Loc, (seg, offset, length, seq, time_ns, trusted, algorithm, checksum))
             live += 1
             live_bytes += length
         seg.live += live

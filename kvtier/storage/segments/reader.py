@@ -15,8 +15,9 @@ this process did not see written completely).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 from kvtier.storage.base import Parts
 from kvtier.storage.page_format import XXH3, PageViews, checksum_matches, xxh3_stream
@@ -27,7 +28,48 @@ __all__ = ["Reader"]
 
 log = logging.getLogger(__name__)
 
-Plan = list[tuple[str, int, int]]  # (segment stem, offset, page in the batch), sorted
+
+class _Plan(NamedTuple):
+    """A batch's records, columns indexed by page (``zip(*locs)``: no attribute access per page),
+    and ``order``: the pages to read, sorted by segment and offset."""
+
+    order: list[int]
+    segs: Sequence[Segment]
+    offsets: Sequence[int]
+    lengths: Sequence[int]
+    trusted: Sequence[bool]
+    algorithms: Sequence[int]
+    checksums: Sequence[int]
+
+
+def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
+    """The pages whose record exists and has their page's size, sorted by (segment, offset);
+    None if there are none.
+
+    A record of another size than its page is not the caller's page (a pool of another layout):
+    not served, and not a checksum miss."""
+    n = len(locs)
+    if n and None not in locs:
+        segs, offsets, sizes, _, _, trusted, algorithms, checksums = zip(*locs)
+        if list(sizes) == lengths:
+            order = list(range(n))
+        else:
+            order = [i for i in range(n) if sizes[i] == lengths[i]]
+    else:
+        order = [i for i, loc in enumerate(locs) if loc is not None and loc.length == lengths[i]]
+        if not order:
+            return None
+        filler = locs[order[0]]  # stands in for the pages not read (never looked at)
+        segs, offsets, sizes, _, _, trusted, algorithms, checksums = zip(
+            *[filler if loc is None else loc for loc in locs]
+        )
+    if not order:
+        return None
+    if len({segs[i] for i in order}) == 1:
+        order.sort(key=offsets.__getitem__)  # one segment: linear when already in order
+    else:
+        order.sort(key=lambda i: (segs[i].stem, offsets[i]))
+    return _Plan(order, segs, offsets, sizes, trusted, algorithms, checksums)
 
 
 class Reader:
@@ -54,37 +96,26 @@ class Reader:
         views = PageViews(pages)
         lengths = views.lengths()
         with index.mutex:
-            entries = index.entries
-            index.refresh_locked(tail=any(k not in entries for k in keys))
-            locs = [entries.get(k) for k in keys]
-            plan = sorted(
-                (loc.seg.stem, loc.offset, i)
-                for i, loc in enumerate(locs)
-                if loc is not None and loc.length == lengths[i]
-            )
+            get = index.entries.get
+            locs = list(map(get, keys))
+            if index.refresh_locked(tail=None in locs):
+                locs = list(map(get, keys))
+            plan = _plan(locs, lengths)
             fds: dict[Segment, int] = {}
-            for _, _, i in plan:
-                seg = locs[i].seg  # type: ignore[union-attr]
-                if seg not in fds:
+            if plan is not None:
+                for seg in {plan.segs[i] for i in plan.order}:
                     fds[seg] = index.pin_locked(seg)
         out = [False] * len(keys)
         bad: list[int] = []
         try:
+            if plan is not None:
 
-            def job(lo: int, hi: int) -> Callable[[], None]:
-                return lambda: self._read_chunk(
-                    plan,
-                    lo,
-                    hi,
-                    locs,  # type: ignore[arg-type]
-                    views,
-                    fds,
-                    out,
-                    bad,
-                )
+                def job(lo: int, hi: int) -> Callable[[], None]:
+                    return lambda: self._read_chunk(plan, lo, hi, views, fds, out, bad)
 
-            bounds = _chunks(plan, lengths)
-            run_shared(self._pool(), self._helpers, [job(a, b) for a, b in zip(bounds, bounds[1:])])
+                bounds = _chunks(plan.order, lengths)
+                jobs = [job(a, b) for a, b in zip(bounds, bounds[1:])]
+                run_shared(self._pool(), self._helpers, jobs)
         finally:
             with index.mutex:
                 for i in bad:
@@ -101,41 +132,43 @@ class Reader:
 
     def _read_chunk(
         self,
-        plan: Plan,
+        plan: _Plan,
         lo: int,
         hi: int,
-        locs: list[Loc],
         views: PageViews,
         fds: dict[Segment, int],
         out: list[bool],
         bad: list[int],
     ) -> None:
-        """Read ``plan[lo:hi]``, one ``preadv`` per run of adjacent records, and verify each
-        record into ``out`` (True) or ``bad``; an IO error leaves its pages False."""
+        """Read pages ``plan.order[lo:hi]``, one ``preadv`` per run of adjacent records, and
+        verify each record into ``out`` (True) or ``bad``; an IO error leaves its pages False."""
+        order, segs, offsets, sizes, trusted = (
+            plan.order,
+            plan.segs,
+            plan.offsets,
+            plan.lengths,
+            plan.trusted,
+        )
+        counts = views.counts()
         j = lo
         while j < hi:
-            seg = locs[plan[j][2]].seg
+            seg = segs[order[j]]
             fd = fds[seg]
-            start = pos = plan[j][1]
-            iovecs: list[memoryview] = []
-            members: list[tuple[int, list[memoryview]]] = []  # (page, its views)
+            start = pos = offsets[order[j]]
+            members: list[int] = []  # pages of this run, in file order
+            iovs = 0
             large = False
             while j < hi:
-                _, offset, i = plan[j]
-                loc = locs[i]
-                parts = views[i]
-                large = loc.length > RUN_BYTES and not loc.trusted
+                i = order[j]
+                large = sizes[i] > RUN_BYTES and not trusted[i]
                 if members and (
-                    large
-                    or loc.seg is not seg
-                    or offset != pos
-                    or len(iovecs) + len(parts) > IOV_MAX
+                    large or segs[i] is not seg or offsets[i] != pos or iovs + counts[i] > IOV_MAX
                 ):
                     large = False  # this run ends before that record
                     break
-                iovecs += parts
-                members.append((i, parts))
-                pos = offset + loc.length
+                members.append(i)
+                iovs += counts[i]
+                pos = offsets[i] + sizes[i]
                 j += 1
                 if large:
                     break  # a large record is a run of its own, read in pieces
@@ -143,34 +176,43 @@ class Reader:
                 continue  # the segment could not be opened: its pages stay unserved
             try:
                 if large:
-                    i, parts = members[0]
-                    if _read_large(fd, locs[i], parts):
+                    i = members[0]
+                    if _read_large(fd, start, plan.algorithms[i], plan.checksums[i], views[i]):
                         out[i] = True
                     else:
                         bad.append(i)
                     continue
-                end = start + read_all(fd, iovecs, start, pos - start)
+                end = start + read_all(fd, views.iovecs(members), start, pos - start)
             except OSError as e:
                 log.warning(
                     "segment store %s: read of %s failed: %s", self._index.root, seg.stem, e
                 )
                 continue
-            for i, parts in members:
-                loc = locs[i]
-                if loc.offset + loc.length <= end and (
-                    loc.trusted or checksum_matches(loc.algorithm, loc.checksum, parts)
-                ):
+            verify: list[int] = []
+            for i in members:
+                if offsets[i] + sizes[i] > end:
+                    bad.append(i)  # the segment ends inside it
+                elif trusted[i]:
+                    out[i] = True
+                else:
+                    verify.append(i)
+            for i, got in zip(verify, views.checksums(verify)):  # a run's hashes at once
+                want = (plan.algorithms[i], plan.checksums[i])
+                if got == want or (got[0] != want[0] and views.matches(i, *want)):
                     out[i] = True
                 else:
                     bad.append(i)
 
 
-def _read_large(fd: int, loc: Loc, parts: list[memoryview]) -> bool:
-    """Read and verify one record of more than ``RUN_BYTES`` in pieces of ``RUN_BYTES``, each
-    hashed right after it lands (while it is still in this core's cache; hashing the whole page
-    after reading it would fetch it from memory a second time). Whether it verified."""
-    stream = xxh3_stream(parts) if loc.algorithm == XXH3 else None
-    pos = loc.offset
+def _read_large(
+    fd: int, offset: int, algorithm: int, checksum: int, parts: list[memoryview]
+) -> bool:
+    """Read and verify one record of more than ``RUN_BYTES`` at ``offset`` in pieces of
+    ``RUN_BYTES``, each hashed right after it lands (while it is still in this core's cache;
+    hashing the whole page after reading it would fetch it from memory a second time). Whether
+    it verified."""
+    stream = xxh3_stream(parts) if algorithm == XXH3 else None
+    pos = offset
     for piece in pieces(parts, RUN_BYTES):
         want = sum(v.nbytes for v in piece)
         if read_all(fd, piece, pos, want) < want:
@@ -180,21 +222,21 @@ def _read_large(fd: int, loc: Loc, parts: list[memoryview]) -> bool:
             for v in piece:
                 stream.update(v)
     if stream is None:  # another algorithm, or no streaming hash here: the whole-page check
-        return checksum_matches(loc.algorithm, loc.checksum, parts)
-    return stream.digest() == loc.checksum
+        return checksum_matches(algorithm, checksum, parts)
+    return stream.digest() == checksum
 
 
-def _chunks(plan: Plan, lengths: list[int]) -> list[int]:
-    """Bounds cutting ``plan`` into chunks of about ``RUN_BYTES`` each (at least one record)."""
-    n = len(plan)
+def _chunks(order: list[int], lengths: list[int]) -> list[int]:
+    """Bounds cutting ``order`` into chunks of about ``RUN_BYTES`` each (at least one record)."""
+    n = len(order)
     if n == 0:
         return [0]
-    sizes = {lengths[i] for _, _, i in plan}
+    sizes = {lengths[i] for i in order}
     if len(sizes) == 1:  # the common case: one page size
         step = max(1, RUN_BYTES // max(1, sizes.pop()))
         return [*range(0, n, step), n]
     bounds, acc = [0], 0
-    for j, (_, _, i) in enumerate(plan):
+    for j, i in enumerate(order):
         acc += lengths[i]
         if acc >= RUN_BYTES:
             bounds.append(j + 1)

@@ -183,24 +183,31 @@ class SegmentBackend(StorageBackend):
         same: list[tuple[int, int]] = []  # (i, j): page i repeats the key of page j in this batch
         index = self._index
         with index.mutex:
-            entries = index.entries
-            index.refresh_locked(tail=any(k not in entries for k in object_keys))
-            first: dict[str, int] = {}
-            used = set()
-            for i, key in enumerate(object_keys):
-                loc = entries.get(key)
-                if loc is not None:
-                    out[i] = True  # stored already (by us or another process): not rewritten
-                    used.add(loc.seg)
-                elif key in first:
-                    same.append((i, first[key]))
-                else:
-                    first[key] = i
-                    todo.append(i)
-            index.touch_locked(used)
+            get = index.entries.get
+            locs = list(map(get, object_keys))
+            if index.refresh_locked(tail=None in locs):
+                locs = list(map(get, object_keys))
+            if locs.count(None) == n and len(set(object_keys)) == n:
+                todo = list(range(n))  # the common case: every key new, none repeated
+            else:
+                first: dict[str, int] = {}
+                used = set()
+                for i, (key, loc) in enumerate(zip(object_keys, locs)):
+                    if loc is not None:
+                        out[i] = True  # stored already (by us or another process): not rewritten
+                        used.add(loc.seg)
+                    elif key in first:
+                        same.append((i, first[key]))
+                    else:
+                        first[key] = i
+                        todo.append(i)
+                index.touch_locked(used)
         if todo:
-            keys = [object_keys[i] for i in todo]
-            views = PageViews([pages[i] for i in todo])  # made by the thread writing each page
+            if len(todo) == n:
+                keys, some = object_keys, pages
+            else:
+                keys, some = [object_keys[i] for i in todo], [pages[i] for i in todo]
+            views = PageViews(some)
             with self._append:
                 done = self._writer.append(keys, views, views.lengths())
                 try:

@@ -3,12 +3,13 @@
 Each process (each backend instance) writes only its own segments, ``<writer>-<n>.kvs`` with the
 journal ``<writer>-<n>.kvj`` beside it, where ``<writer>`` is ``<pid>-<8 random hex>``. A batch is
 laid out back to back at the end of the active segment and cut into runs (up to ``io.RUN_BYTES``);
-each run's payloads are checksummed (which brings them into the core's cache) and the run written
-with one ``pwritev`` of the caller's page buffers by the caller's thread or an IO thread, whichever
-takes it (``io.run_shared``), which then makes the run's journal entries while the other thread's
-syscall runs. A record larger than a run is hashed and written in pieces of a run's size. Then the
-journal entries of the records before the first failed run follow with one ``pwrite``; with
-``fsync`` both files are ``fdatasync``-ed once per batch. A segment is preallocated when created,
+each run's payloads are checksummed by address (which brings them into the core's cache) and the
+run written with one ``pwritev`` of the caller's page buffers (pages adjacent in memory as one
+iovec) by the caller's thread or an IO thread, whichever takes it (``io.run_shared``). A record
+larger than a run is hashed and written in pieces of a run's size. Then the journal entries of the
+records before the first failed run, packed for the whole batch at once (``encode_entries``),
+follow with one ``pwrite``; with ``fsync`` both files are ``fdatasync``-ed once per batch.
+Records of one size (a batch's usually are) are laid out in closed form (``layout``). A segment is preallocated when created,
 truncated to its records when the writer moves on (or closes), and never written again.
 
 A writer killed at any point leaves records whose journal entry is missing (ignored), torn
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import time
@@ -39,6 +41,7 @@ from kvtier.storage.segments.config import SegmentBackendConfig
 from kvtier.storage.segments.format import (
     ENTRY_SIZE,
     Entry,
+    encode_entries,
     encode_entry,
 )
 from kvtier.storage.segments.index import Index, Segment
@@ -46,7 +49,7 @@ from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES, pieces, run_shared, w
 from kvtier.storage.segments.root import create_file
 from kvtier.storage.segments.space import Space, journal_reserve
 
-__all__ = ["Writer"]
+__all__ = ["Writer", "layout"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,58 @@ def _write_large(fd: int, offset: int, parts: list[memoryview], stream: Xxh3Stre
         write_all(fd, piece, pos)
         pos += sum(v.nbytes for v in piece)
     return stream.digest()
+
+
+Run = tuple[int, int, int]  # (first record, end record, file offset)
+
+
+def layout(
+    pos: int,
+    size: int,
+    journal_room: int,
+    keys: Sequence[str],
+    lengths: Sequence[int],
+    counts: Sequence[int],
+    j: int,
+    uniform: bool,
+) -> tuple[int, list[int], list[Run], int]:
+    """Where records ``j..`` go in a segment of ``size`` bytes written up to ``pos`` whose
+    journal has ``journal_room`` bytes left: (the first record that does not fit, each taken
+    record's offset, the runs, the end of the last record). Record ``j`` is always taken (the
+    caller made room for it). A run ends before ``RUN_BYTES`` are passed, before ``IOV_MAX``
+    parts, and around a record larger than ``RUN_BYTES``. ``uniform``: every record has one
+    length, part count and key length, so the layout has a closed form (per run, not per
+    record)."""
+    m = len(keys)
+    if uniform:
+        rsize, esize, count = lengths[j], ENTRY_SIZE + len(keys[j]), counts[j]
+        room = journal_room // esize
+        if rsize:
+            room = min(room, (size - pos) // rsize)
+        k = min(m, j + max(1, room))
+        per = max(1, min(-(-RUN_BYTES // rsize) if rsize else m, IOV_MAX // count))
+        offsets = list(range(pos, pos + (k - j) * rsize, rsize)) if rsize else [pos] * (k - j)
+        runs = [(x, min(x + per, k), pos + (x - j) * rsize) for x in range(j, k, per)]
+        return k, offsets, runs, pos + (k - j) * rsize
+    offsets, runs = [], []
+    start = pos
+    jbytes, k, first, iovs = 0, j, j, 0
+    while k < m:
+        rsize, esize = lengths[k], ENTRY_SIZE + len(keys[k])
+        if k > j and (pos + rsize > size or jbytes + esize > journal_room):
+            break
+        if k > first and (
+            pos - start >= RUN_BYTES
+            or rsize > RUN_BYTES  # a large record is a run of its own
+            or iovs + counts[k] > IOV_MAX
+        ):
+            runs.append((first, k, start))
+            first, start, iovs = k, pos, 0
+        offsets.append(pos)
+        pos, jbytes, k, iovs = pos + rsize, jbytes + esize, k + 1, iovs + counts[k]
+    if k > first:
+        runs.append((first, k, start))
+    return k, offsets, runs, pos
 
 
 class Writer:
@@ -115,6 +170,7 @@ class Writer:
         m = len(keys)
         ok = [False] * m
         j = 0
+        uniform = len(set(lengths)) == 1 and len(set(counts)) == 1 and len(set(map(len, keys))) == 1
         while j < m:
             act = self._active
             need = lengths[j]
@@ -128,7 +184,7 @@ class Writer:
                 if act is None:
                     break  # no room, no lock, or no disk: the rest of the batch fails
             now = time_ns or time.time_ns()
-            k = self._append_some(act, keys, parts, lengths, counts, j, now, ok)
+            k = self._append_some(act, keys, parts, lengths, counts, j, now, ok, uniform)
             j = k
         return ok
 
@@ -142,50 +198,38 @@ class Writer:
         j: int,
         now: int,
         ok: list[bool],
+        uniform: bool,
     ) -> int:
-        """Append records ``j..`` while they fit in ``act``; the first record not taken."""
-        m = len(keys)
-        offsets: list[int] = []
-        runs: list[tuple[int, int, int]] = []  # (first record, end record, file offset)
-        start = pos = act.end
-        jbytes, k, first, iovs = 0, j, j, 0
-        while k < m:
-            size, esize = lengths[k], ENTRY_SIZE + len(keys[k])
-            if k > j and (pos + size > act.size or act.jend + jbytes + esize > act.jcap):
-                break
-            if k > first and (
-                pos - start >= RUN_BYTES
-                or lengths[k] > RUN_BYTES  # a large record is a run of its own
-                or iovs + counts[k] > IOV_MAX
-            ):
-                runs.append((first, k, start))
-                first, start, iovs = k, pos, 0
-            offsets.append(pos)
-            pos, jbytes, k, iovs = pos + size, jbytes + esize, k + 1, iovs + counts[k]
-        if k > first:
-            runs.append((first, k, start))
+        """Append records ``j..`` while they fit in ``act``; the first record not taken.
+        ``uniform``: every record has one length, part count and key length."""
+        k, offsets, runs, pos = layout(
+            act.end, act.size, act.jcap - act.jend, keys, lengths, counts, j, uniform
+        )
         act.end = pos  # never reused, whatever was written
-        seq0 = act.seq - j  # record x is journal entry seq0 + x (if the runs before it landed)
         fd = act.seg.fd
         failed: list[int] = []  # runs whose write failed
-        done: list[tuple[list[Entry], bytes]] = [([], b"")] * len(runs)  # written runs' entries
+        sums: list[tuple[int, int]] = [(0, 0)] * (k - j)  # (algorithm, checksum) per record
+        views = parts if isinstance(parts, PageViews) else None
 
         def job(r: int) -> Callable[[], None]:
             lo, hi, offset = runs[r]
 
             def write_run() -> None:
                 try:
-                    sums = None
+                    stream = None
                     if hi - lo == 1 and lengths[lo] > RUN_BYTES:
                         payload = parts[lo]
                         stream = xxh3_stream(payload)
-                        if stream is not None:
-                            sums = [(XXH3, _write_large(fd, offset, payload, stream))]
-                    if sums is None:
-                        sums, iovecs = [], []
+                    if stream is not None:
+                        sums[lo - j] = (XXH3, _write_large(fd, offset, payload, stream))
+                    elif views is not None:
+                        sums[lo - j : hi - j] = views.checksums(range(lo, hi))  # into the cache
+                        write_all(fd, views.iovecs(range(lo, hi)), offset)
+                    else:
+                        iovecs: list[memoryview] = []
                         for x in range(lo, hi):
                             payload = parts[x]
-                            sums.append(payload_checksum(payload))  # reads it into the cache
+                            sums[x - j] = payload_checksum(payload)
                             iovecs += payload
                         write_all(fd, iovecs, offset)
                 except OSError as e:
@@ -196,25 +240,21 @@ class Writer:
                         e,
                     )
                     failed.append(r)
-                    return
-                # Entries made and encoded here, while another thread's syscall runs, rather than
-                # after the batch with no IO in flight.
-                made = [
-                    Entry(keys[x], offsets[x - j], lengths[x], seq0 + x, now, a, c)
-                    for x, (a, c) in zip(range(lo, hi), sums)
-                ]
-                done[r] = (made, b"".join(map(encode_entry, made)))
 
             return write_run
 
         run_shared(self._pool(), self._config.io_threads, [job(r) for r in range(len(runs))])
         # Only records before the first failed run are journaled; the segment takes no more.
+        # Their entries are packed here for the whole batch at once (one numpy record array).
         last = min(failed) if failed else len(runs)
         stored = runs[last][0] if failed else k
         if failed:
             act.full = True
-        entries = [e for r in range(last) for e in done[r][0]]
-        journal = b"".join(done[r][1] for r in range(last))
+        n = stored - j
+        algorithms, checksums = zip(*sums[:n]) if n else ((), ())
+        journal = encode_entries(
+            keys[j:stored], offsets[:n], lengths[j:stored], now, algorithms, checksums
+        )
         try:
             if journal:
                 write_all(act.jfd, [journal], act.jend)  # after the bytes it describes
@@ -230,11 +270,21 @@ class Writer:
             )
             act.full = True
             return k
+        entries = zip(
+            keys[j:stored],
+            offsets,
+            lengths[j:stored],
+            range(act.seq, act.seq + n),
+            itertools.repeat(now, n),
+            algorithms,
+            checksums,
+            itertools.repeat(False, n),
+        )
         act.jend += len(journal)
-        act.seq += len(entries)
+        act.seq += n
         with self._index.mutex:
             self._index.insert_locked(act.seg, entries, trusted=self._config.verify == "once")
-        ok[j:stored] = [True] * (stored - j)
+        ok[j:stored] = [True] * n
         return k
 
     def tombstone(self, keys: list[str]) -> list[bool]:

@@ -1,0 +1,167 @@
+"""The segment store's per-batch shortcuts against the per-item forms they replace.
+
+Each shortcut (journal entries packed as one numpy record array, the closed-form layout of
+records of one size, page views merged by address, hashing by address, the batch key check) must
+give exactly what the per-item code gives, including where it falls back to it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvtier.storage import Namespace, page_hashes
+from kvtier.storage.base import PoolTransfer, StorageBackend
+from kvtier.storage.page_format import PageViews, buffer_of, payload_checksum
+from kvtier.storage.segments.format import Entry, encode_entries, encode_entry, parse_entries
+from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES
+from kvtier.storage.segments.writer import layout
+
+NS = Namespace("test-model", "bfloat16", 4, "page_first")
+
+
+def per_entry(keys, offsets, lengths, time_ns, algorithms, checksums) -> bytes:
+    return b"".join(
+        encode_entry(Entry(k, o, n, 0, time_ns, a, c))
+        for k, o, n, a, c in zip(keys, offsets, lengths, algorithms, checksums)
+    )
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [f"{i:064x}.kv.r0" for i in range(37)],
+        ["a" * 64 + ".kv"],
+        [f"{i:064x}.kv.r{i}" for i in range(12)],  # keys of two lengths: the per-entry form
+        [],
+    ],
+    ids=["one-length", "one-key", "mixed-lengths", "none"],
+)
+def test_encode_entries_equals_encode_entry(keys: list[str]) -> None:
+    rng = random.Random(len(keys))
+    offsets = [rng.randrange(1 << 40) for _ in keys]
+    lengths = [rng.randrange(1 << 30) for _ in keys]
+    algorithms = [rng.choice((1, 2)) for _ in keys]
+    # Checksums over the whole unsigned 64-bit range, the top bit set included.
+    checksums = [rng.choice((0, 1 << 63, (1 << 64) - 1, rng.getrandbits(64))) for _ in keys]
+    t = (1 << 63) + 12345
+    got = encode_entries(keys, offsets, lengths, t, algorithms, checksums)
+    assert got == per_entry(keys, offsets, lengths, t, algorithms, checksums)
+    entries, used = parse_entries(got, seq=5)
+    assert used == len(got)
+    assert [
+        (e.key, e.offset, e.length, e.seq, e.time_ns, e.algorithm, e.checksum) for e in entries
+    ] == [
+        (k, o, n, 5 + i, t, a, c)
+        for i, (k, o, n, a, c) in enumerate(zip(keys, offsets, lengths, algorithms, checksums))
+    ]
+
+
+def loop_layout(pos, size, room, keys, lengths, counts, j):
+    return layout(pos, size, room, keys, lengths, counts, j, uniform=False)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_uniform_layout_equals_the_loop(seed: int) -> None:
+    rng = random.Random(seed)
+    m = rng.randrange(1, 300)
+    rsize = rng.choice((0, 1, 4096, 65536, 100_000, RUN_BYTES, RUN_BYTES + 1, 3 << 20))
+    count = rng.choice((1, 2, 3, IOV_MAX, IOV_MAX + 1))
+    keys = ["k" * rng.choice((70, 72))] * m
+    lengths, counts = [rsize] * m, [count] * m
+    j = rng.randrange(m)
+    pos = rng.randrange(0, 1 << 20)
+    # Room for record j always (the caller's promise); sometimes for all of them, sometimes not.
+    size = pos + rsize * rng.randrange(1, m + 2) + rng.randrange(rsize + 1)
+    room = (48 + len(keys[0])) * rng.randrange(1, m + 2) + rng.randrange(40)
+    want = loop_layout(pos, size, room, keys, lengths, counts, j)
+    got = layout(pos, size, room, keys, lengths, counts, j, uniform=True)
+    assert got == want, f"seed {seed}: m={m} size={rsize} count={count} j={j}"
+
+
+def test_views_merge_only_what_is_adjacent_in_one_region() -> None:
+    pool = torch.arange(4096, dtype=torch.int32).view(torch.uint8)  # 16 KiB
+    own = torch.arange(300, dtype=torch.uint8)  # a storage of its own
+    pages = [
+        (pool[0:1000],),
+        (pool[1000:1500],),  # right after page 0: merged with it
+        (pool[3000:3100],),  # a gap: a view of its own
+        (own[0:100],),  # another storage
+        (own[100:300],),  # adjacent in that storage: merged
+        (pool[3100:3100],),  # empty: left out
+        (pool[3100:3200], pool[5000:5010]),  # two parts, the first adjacent to page 2
+    ]
+    views = PageViews(pages)
+    assert views.lengths() == [1000, 500, 100, 100, 200, 0, 110]
+    assert views.counts() == [1, 1, 1, 1, 1, 1, 2]
+    got = views.iovecs(range(len(pages)))
+    want = [pool[0:1500], pool[3000:3100], own[0:300], pool[3100:3200], pool[5000:5010]]
+    assert [bytes(v) for v in got] == [bytes(buffer_of(t)) for t in want]
+    got = views.iovecs([2, 6, 0])  # file order need not be memory order
+    want = [pool[3000:3200], pool[5000:5010], pool[0:1000]]
+    assert [bytes(v) for v in got] == [bytes(buffer_of(t)) for t in want]
+    # The views alias the tensors: a write through one lands in the tensor.
+    views.iovecs([3])[0][5] = 0xAB
+    assert own[5].item() == 0xAB
+
+
+def test_checksum_by_address_equals_payload_checksum() -> None:
+    g = torch.Generator().manual_seed(3)
+    pool = torch.randint(0, 256, (1 << 18,), dtype=torch.uint8, generator=g)
+    pages = [
+        (pool[0:65536],),
+        (pool[7 : 7 + 1000],),  # unaligned
+        (pool[70000 : 70000 + 300], pool[100:200]),  # two parts: one stream
+        (pool[5:5],),  # empty
+        (pool[9:9], pool[10:20]),  # an empty part first
+    ]
+    views = PageViews(pages)
+    for i, parts in enumerate(pages):
+        want = payload_checksum([buffer_of(p) for p in parts])
+        assert views.checksum(i) == want, f"page {i}"
+        assert views.matches(i, *want), f"page {i}"
+        assert not views.matches(i, want[0], want[1] ^ 1), f"page {i}"
+
+
+class _Keys(StorageBackend):
+    """Only the key checks of the base class."""
+
+    name = "keys-only"
+
+    def _contains(self, object_keys):  # pragma: no cover - not called
+        raise AssertionError
+
+    def _read(self, object_keys, pages):  # pragma: no cover - not called
+        raise AssertionError
+
+    def _write(self, object_keys, pages):  # pragma: no cover - not called
+        raise AssertionError
+
+    def clear(self) -> None:  # pragma: no cover - not called
+        raise AssertionError
+
+
+H = page_hashes(range(4 * 6), NS)
+
+
+@pytest.mark.parametrize(
+    "batch, bad",
+    [
+        ([H[0], H[1], H[2]], set()),
+        ([H[0][:63], H[1] + "a"], {0, 1}),  # lengths 63 and 65: the joined length is right
+        ([H[0][:63] + "\n", H[1]], {0}),  # a newline one place early
+        ([H[0], "０" + H[1][1:]], {1}),  # a fullwidth digit: hex to str.isdigit, not ASCII
+        ([H[0], H[1][:64].replace(H[1][3], "g", 1)], {1}),
+        ([H[0], H[1].upper()], {1} if H[1].upper() != H[1] else set()),
+        ([H[0], H[1][:32] + "\n" + H[1][33:]], {1}),
+    ],
+    ids=["good", "63-and-65", "early-newline", "fullwidth", "non-hex", "upper", "newline"],
+)
+def test_batch_key_check_fails_exactly_the_bad_pages(batch: list[str], bad: set[int]) -> None:
+    names = _Keys()._object_keys(PoolTransfer("kv", batch))
+    assert [i for i, k in enumerate(names) if k is None] == sorted(bad)
+    for h, k in zip(batch, names):
+        if k is not None:
+            assert k == f"{h}.kv.r0"
