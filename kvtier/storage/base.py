@@ -350,7 +350,10 @@ class StorageBackend(ABC):
         gone = iter([True] * len(keys))
         if self.scope.writes and keys:
             try:
-                gone = iter(self._delete(keys))
+                answers = list(self._delete(keys))
+                if len(answers) != len(keys):
+                    raise RuntimeError(f"{len(answers)} answers for {len(keys)} pages")
+                gone = iter(answers)
             except Exception:
                 log.exception("%s: delete of %d pages failed", self.name, len(keys))
                 gone = iter([False] * len(keys))

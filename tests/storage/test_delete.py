@@ -197,3 +197,95 @@ def test_deleted_records_are_reclaimed(tmp_path: Path) -> None:
     assert b.get([PoolTransfer("kv", h, out)]).ok["kv"] == [False] * 7 + [True] * 9
     assert all(torch.equal(o, expected(x)) for o, x in zip(out[7:], h[7:]))
     b.close()
+
+
+# -- review regressions ------------------------------------------------------------------------
+
+
+def test_compacted_copy_does_not_outrank_a_newer_tombstone(tmp_path):
+    """Process A deletes a page while process B, which has not read A's journal yet, compacts
+    the page's segment: the copy keeps the record's old time, so A's tombstone still wins, in A
+    and after a restart."""
+    from tests.storage.test_segment_compaction import H, served, store
+    from tests.storage.test_segment_compaction import put as put_records
+
+    root = tmp_path / "l3"
+    b = store(root)
+    assert put_records(b, H[:8]) == [True] * 8
+    assert put_records(b, H[8:16]) == [True] * 8  # the first segment finished
+    b.delete([PoolTransfer("kv", H[2:8])])  # that segment is now a compaction candidate
+    a = store(root)
+    assert a.delete([PoolTransfer("kv", [H[0]])]).ok == {"kv": [True]}
+    with b._append:  # b compacts without having read a's journal since the delete
+        copied, bad = b._compactor.step()
+    assert copied >= 1 and bad == 0
+    assert served(a, [H[0]]) == [False]
+    assert served(store(root), [H[0]]) == [False]
+    assert served(store(root), [H[1]]) == [True]  # the live copy of the other page is served
+
+
+@pytest.mark.parametrize("tombstones_first", [False, True])
+def test_segment_end_does_not_depend_on_journal_order(tombstones_first):
+    """A record segment's end (what compaction reads) is the same whether a tombstone of its
+    records was indexed before or after the records."""
+    from kvtier.storage.segments.format import Entry
+    from kvtier.storage.segments.index import Index, Segment
+
+    ix = Index(Path("/nonexistent"), -1, "me", 8, 1.0)
+    rec, tomb = Segment("a-1", "a", 1, -1, None), Segment("b-1", "b", 1, -1, None)
+    ix.segments = {"a-1": rec, "b-1": tomb}
+    records = [Entry(f"k{i}", i * 4096, 4096, i, 100 + i, 1, 0) for i in range(4)]
+    deletes = [Entry(f"k{i}", 0, 0, i, 1000, deleted=True) for i in range(2)]
+    order = (
+        [(tomb, deletes), (rec, records)] if tombstones_first else [(rec, records), (tomb, deletes)]
+    )
+    for seg, entries in order:
+        ix.insert_locked(seg, entries)
+    assert rec.end == 4 * 4096
+    assert (rec.live, rec.live_bytes) == (2, 2 * 4096)
+
+
+def test_a_delete_preallocates_no_data_segment(tmp_path, make_pages):
+    """A process with no active segment journals its tombstones in a segment of journal only,
+    and eviction keeps that segment after dead data segments (it is not dead while its
+    tombstones are in force)."""
+    root = tmp_path / "l3"
+    a = segment_store(root)
+    hs = hashes(3)
+    put(a, hs, make_pages)
+    before = {p.name for p in root.iterdir() if p.suffix == ".kvs"}
+    b = segment_store(root)
+    assert b.delete([PoolTransfer("kv", hs)]).ok == {"kv": [True] * 3}
+    kvs = [p for p in root.iterdir() if p.suffix == ".kvs" and p.name not in before]
+    assert len(kvs) == 1 and kvs[0].stat().st_size == 0, kvs
+    assert served(a, hs, make_pages) == [False] * 3
+    stem = kvs[0].stem
+    with b._index.mutex:
+        assert b._index.segments[stem].live == 0
+        assert {t[1] for t in b._index.tombs.values()} == {stem}
+
+
+class _ShortAnswer(StorageBackend):
+    """A backend whose ``_delete`` answers for fewer pages than asked."""
+
+    name = "short"
+
+    def _contains(self, object_keys):  # pragma: no cover - not used
+        return [False] * len(object_keys)
+
+    def _read(self, object_keys, pages):  # pragma: no cover - not used
+        return [False] * len(object_keys)
+
+    def _write(self, object_keys, pages):  # pragma: no cover - not used
+        return [False] * len(object_keys)
+
+    def clear(self) -> None:  # pragma: no cover - not used
+        pass
+
+    def _delete(self, object_keys):
+        return [True] * (len(object_keys) - 1)
+
+
+def test_a_short_delete_answer_fails_the_pages_and_does_not_raise():
+    b = _ShortAnswer()
+    assert b.delete([PoolTransfer("kv", hashes(3))]).ok == {"kv": [False] * 3}

@@ -108,7 +108,13 @@ class Compactor:
         with self._index.mutex:
             for key, loc in bad:
                 self._index.drop_locked(key, loc)
-        stored = self._writer.append(keys, parts, lengths)
+        # The copies carry the oldest copied record's time, not now: a tombstone another
+        # process made after a record was written must still win over its copy, even if this
+        # process has not read that tombstone yet (all records of a key hold the same bytes,
+        # so an older time never serves wrong data).
+        copied = set(keys)
+        oldest = min((loc.time_ns for key, loc in live if key in copied), default=0)
+        stored = self._writer.append(keys, parts, lengths, time_ns=oldest)
         if not all(stored):
             raise OSError(f"{stored.count(False)} of {len(keys)} live records not copied")
         return len(keys), len(bad)

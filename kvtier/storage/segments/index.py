@@ -230,12 +230,14 @@ class Index:
             if deleted:
                 self._tombstone_locked(key, (time_ns, stem, seq))
                 continue
+            # The segment's end counts every record, deleted or not, whatever the order its
+            # journal and a tombstone's are read in (compaction reads it).
+            if offset + length > end:
+                end = offset + length
             if tombs:
                 tomb = tombs.get(key)
                 if tomb is not None and tomb >= (time_ns, stem, seq):
                     continue  # deleted after it was written
-            if offset + length > end:
-                end = offset + length
             old = get(key)
             if old is not None:
                 if (old.time_ns, old.seg.stem, old.seq) >= (time_ns, stem, seq):

@@ -84,12 +84,17 @@ class Space:
             return True
         with self._index.mutex:
             live = {stem: seg.live for stem, seg in self._index.segments.items()}
+            # A segment whose journal holds a tombstone in force is not dead: dropping it early
+            # would bring the deleted records back (after a restart, or in a process that had
+            # not read it yet).
+            tombs = {t[1] for t in self._index.tombs.values()}
 
         def order(stem: str) -> tuple[int, int]:
             f = files[stem]
             if len(f) < 2:
                 return (0, 0)  # a leftover: half a segment
-            return (1 if live.get(stem) == 0 else 2, f["kvs"].st_mtime_ns)
+            dead = live.get(stem) == 0 and stem not in tombs
+            return (1 if dead else 2, f["kvs"].st_mtime_ns)
 
         for stem in sorted(files, key=order):
             if used + need <= cap:

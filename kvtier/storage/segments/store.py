@@ -19,7 +19,8 @@ journal entry holds for its key, whoever wrote it and whenever (``verify="always
 default), or once per record this process did not see written completely (``verify="once"``).
 A record is hashed as it is read (in pieces of ``io.RUN_BYTES`` for larger ones), while its
 bytes are in the reading core's cache. Reads and writes of payloads whose size is a multiple of
-4 KiB are 4 KiB-aligned in the segment, as raw file IO is. A writer killed
+4 KiB are 4 KiB-aligned in the segment, as raw file IO is, as long as the records before them in
+the segment are too (records are not padded). A writer killed
 at any point leaves records that are either journaled and intact, or unjournaled (ignored), or
 journaled over lost bytes (the checksum fails: a counted miss, dropped); a power loss likewise,
 so a reboot needs no rule of its own.

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvtier.storage.base import MAX_KEY_LENGTH
 from kvtier.storage.page_format import (
     XXH3,
     PageViews,
@@ -296,7 +297,7 @@ class Writer:
         while j < len(keys):
             act = self._active
             if act is None or act.full or act.jend + ENTRY_SIZE + len(keys[j]) > act.jcap:
-                act = self._roll(0)
+                act = self._roll(0, tombstones=len(keys) - j)
                 if act is None:
                     break
             entries: list[Entry] = []
@@ -329,14 +330,25 @@ class Writer:
 
     # -- segments of this process -----------------------------------------------------------------
 
-    def _roll(self, need: int) -> _Active | None:
+    def _roll(self, need: int, tombstones: int = 0) -> _Active | None:
         """Finish the active segment and create a new one with room for ``need`` bytes, evicting
-        under the root lock while the root would pass its capacity; None if it cannot."""
+        under the root lock while the root would pass its capacity; None if it cannot.
+
+        ``tombstones``: a segment of journal only, for that many tombstones (up to a segment's
+        usual journal): a delete preallocates no data, so it makes room for a few hundred bytes
+        and evicts nothing a whole data segment would (the next append rolls a data segment)."""
         if self._active is not None:
             self._finish(self._active)
             self._active = None
-        size = max(self._seg_bytes, need)
-        jcap = journal_reserve(size)
+        if tombstones:
+            size = 0
+            jcap = min(
+                journal_reserve(self._seg_bytes),
+                max(journal_reserve(0), tombstones * (ENTRY_SIZE + MAX_KEY_LENGTH)),
+            )
+        else:
+            size = max(self._seg_bytes, need)
+            jcap = journal_reserve(size)
         cap = self._config.capacity_bytes
         if cap is not None and size + jcap > cap:
             return None
