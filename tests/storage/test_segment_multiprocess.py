@@ -49,8 +49,12 @@ for n in range(N):
     keys = shared[n * B : n * B + B // 2] + own[n * B : n * B + B // 2]
     assert b.set([PoolTransfer("kv", keys, [page(h) for h in keys])]).all_ok, n
     out = [torch.empty(PAGE, dtype=torch.uint8) for _ in keys]
-    assert b.get([PoolTransfer("kv", keys, out)]).all_ok, f"batch {{n}} not readable at once"
-    assert all(torch.equal(o, page(h)) for o, h in zip(out, keys)), n
+    got = b.get([PoolTransfer("kv", keys, out)]).ok["kv"]
+    # Under a root capacity the other writer may evict any page at any time (a shared key this
+    # set found stored may sit in the other writer's oldest segment): only unbounded roots must
+    # serve the whole batch at once. Whatever is served is right.
+    assert capacity != "none" or all(got), f"batch {{n}} not readable at once"
+    assert all(torch.equal(o, page(h)) for o, h, ok in zip(out, keys, got) if ok), n
 print("written", b.metrics.snapshot()["failed_pages.write"])
 b.close()
 """
