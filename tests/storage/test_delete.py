@@ -202,28 +202,6 @@ def test_deleted_records_are_reclaimed(tmp_path: Path) -> None:
 # -- review regressions ------------------------------------------------------------------------
 
 
-def test_compacted_copy_does_not_outrank_a_newer_tombstone(tmp_path):
-    """Process A deletes a page while process B, which has not read A's journal yet, compacts
-    the page's segment: the copy keeps the record's old time, so A's tombstone still wins, in A
-    and after a restart."""
-    from tests.storage.test_segment_compaction import H, served, store
-    from tests.storage.test_segment_compaction import put as put_records
-
-    root = tmp_path / "l3"
-    b = store(root)
-    assert put_records(b, H[:8]) == [True] * 8
-    assert put_records(b, H[8:16]) == [True] * 8  # the first segment finished
-    b.delete([PoolTransfer("kv", H[2:8])])  # that segment is now a compaction candidate
-    a = store(root)
-    assert a.delete([PoolTransfer("kv", [H[0]])]).ok == {"kv": [True]}
-    with b._append:  # b compacts without having read a's journal since the delete
-        copied, bad = b._compactor.step()
-    assert copied >= 1 and bad == 0
-    assert served(a, [H[0]]) == [False]
-    assert served(store(root), [H[0]]) == [False]
-    assert served(store(root), [H[1]]) == [True]  # the live copy of the other page is served
-
-
 @pytest.mark.parametrize("tombstones_first", [False, True])
 def test_segment_end_does_not_depend_on_journal_order(tombstones_first):
     """A record segment's end (what compaction reads) is the same whether a tombstone of its

@@ -238,3 +238,22 @@ def test_a_failed_compaction_keeps_the_segment_and_the_write(
     assert put(w, H[17:18]) == [True]
     assert not first.exists(), "the next write compacts it"
     assert served(w, H[:2] + H[8:18]) == [True] * 12
+
+
+def test_compacted_copy_does_not_outrank_a_newer_tombstone(tmp_path):
+    """Process A deletes a page while process B, which has not read A's journal yet, compacts
+    the page's segment: the copy keeps the record's old time, so A's tombstone still wins, in A
+    and after a restart."""
+    root = tmp_path / "l3"
+    b = store(root)
+    assert put(b, H[:8]) == [True] * 8
+    assert put(b, H[8:16]) == [True] * 8  # the first segment finished
+    b.delete([PoolTransfer("kv", H[2:8])])  # that segment is now a compaction candidate
+    a = store(root)
+    assert a.delete([PoolTransfer("kv", [H[0]])]).ok == {"kv": [True]}
+    with b._append:  # b compacts without having read a's journal since the delete
+        copied, bad = b._compactor.step()
+    assert copied >= 1 and bad == 0
+    assert served(a, [H[0]]) == [False]
+    assert served(store(root), [H[0]]) == [False]
+    assert served(store(root), [H[1]]) == [True]  # the live copy of the other page is served
