@@ -120,15 +120,11 @@ class LlamaShaped:
         return out
 
 
-def layer_trace(args, cache, run, host_only) -> None:
+def layer_trace(cache, run, prepare) -> None:
     """One traced run each of overlapped and compute-only (prefix on device): per layer, the
     GPU's wait before the layer (for its load, or for the CPU to issue it) and its compute."""
     for mode in ("overlap", "compute"):
-        host_only()
-        if mode == "compute":
-            warm = run("transfer")
-            cache.cache_finished_req(warm)
-            cache.drain()
+        prepare(mode)
         sync()
         trace: list = []
         t0 = time.perf_counter()
@@ -227,6 +223,15 @@ def main() -> None:
         cache.drain()
         cache.evict(cfg.device_tokens)
 
+    def prepare(mode: str) -> None:
+        """Every run starts with the prefix on host only; compute-only runs load it back first,
+        untimed, and time the 1K-token forward alone."""
+        host_only()
+        if mode == "compute":
+            warm = run("transfer")
+            cache.cache_finished_req(warm)
+            cache.drain()
+
     def wait_all(req) -> None:
         # Through wait_layer, not a device synchronize alone: on the copy engine the copies are
         # enqueued by an issue thread, and a synchronize does not wait for copies not yet issued.
@@ -257,14 +262,7 @@ def main() -> None:
     for mode in ("overlap", "load_first", "transfer", "compute"):
         samples = []
         for i in range(args.reps + 1):
-            if mode == "compute":
-                # prefix on device: load it back once, untimed, then time the 1K-token forward
-                host_only()
-                warm = run("transfer")
-                cache.cache_finished_req(warm)
-                cache.drain()
-            else:
-                host_only()
+            prepare(mode)
             sync()
             t0 = time.perf_counter()
             req = run("overlap" if mode == "compute" else mode)
@@ -283,7 +281,7 @@ def main() -> None:
         )
 
     if args.layer_trace and dev.type == "cuda":
-        layer_trace(args, cache, run, host_only)
+        layer_trace(cache, run, prepare)
 
     fresh = [0]
 

@@ -56,6 +56,10 @@ class BoundCopier:
     copier: HostCopier
     layers: Mapping[int, int] | None = None
 
+    def own(self, layer: int) -> int | None:
+        """The pair's own layer for a load step's ``layer``; None: the step moves nothing of it."""
+        return layer if self.layers is None else self.layers.get(layer)
+
 
 @dataclass
 class PoolBinding:
@@ -354,21 +358,13 @@ class CacheController:
             for pool, (d, h) in cpu_idx.items():
                 copiers = self.bindings[pool].copiers
                 if copiers:
-                    plans[pool] = [
-                        (
-                            c,
-                            c.copier.plan(
-                                d,
-                                h,
-                                d2h=False,
-                                per_layer=True,
-                                check=False,
-                                lead=pool == first_pool
-                                and (c.layers is None or c.layers.get(first_layer) is not None),
-                            ),
+                    plans[pool] = []
+                    for c in copiers:
+                        lead = pool == first_pool and c.own(first_layer) is not None
+                        plan = c.copier.plan(
+                            d, h, d2h=False, per_layer=True, check=False, lead=lead
                         )
-                        for c in copiers
-                    ]
+                        plans[pool].append((c, plan))
                 else:
                     idx[pool] = (self._to_device(d), self._to_device(h))
             stream = self.load_stream
@@ -381,7 +377,7 @@ class CacheController:
                     for i, ((pool, layer), ev) in enumerate(steps, first):
                         with nvtx_range(f"kvtier.load layer{layer} {pool}"):
                             for c, p in plans.get(pool, ()):
-                                own = layer if c.layers is None else c.layers.get(layer)
+                                own = c.own(layer)
                                 if own is not None:
                                     # The first step through the kernel where the plan has a
                                     # lead (see HostCopier.plan): the forward pass waits on it.
