@@ -7,7 +7,10 @@ bit per page, so freeing a page twice, or freeing a slot it never handed out, ra
 corrupting the free list.
 
 The free list is a stack of page ids: the most recently freed pages are handed out first, which
-keeps a warm working set small.
+keeps a warm working set small. The pages of one ``alloc`` come in ascending order, so pages
+freed together as a run come back as a run: a load into them pairs consecutive device pages with
+consecutive host pages, which the copy engine moves as one descriptor instead of one per page
+(a stack alone hands a freed run back reversed).
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class PageAllocator:
         if n_pages > self._num_free:
             return None
         top = self._num_free
-        pages = self._free[top - n_pages : top][::-1].copy()
+        pages = np.sort(self._free[top - n_pages : top])  # ascending: runs stay runs
         self._num_free -= n_pages
         self._in_use[pages] = True
         return torch.from_numpy(pages)

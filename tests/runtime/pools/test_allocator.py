@@ -80,3 +80,28 @@ def test_negative_or_large_slots_never_touch_the_books():
     assert bool((a.translate(x) >= 0).all())
     with pytest.raises(ValueError, match="outside"):
         a.full.is_allocated(torch.tensor([-1]))
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
+def test_a_freed_run_comes_back_as_an_ascending_run(order: str) -> None:
+    """Pages freed together (in any order) are handed back ascending, so a load into them pairs
+    consecutive device pages with consecutive host pages (one copy-engine descriptor per run,
+    not one per page). The most recently freed pages still go out first."""
+    a = PageAllocator(64 * 16, 16)
+    held = a.alloc_pages(40)
+    assert held.tolist() == list(range(40))
+    run = held[8:32]
+    if order == "descending":
+        run = run.flip(0)
+    elif order == "shuffled":
+        run = run[torch.randperm(run.numel(), generator=torch.Generator().manual_seed(3))]
+    a.free_pages(run)
+    again = a.alloc_pages(24)
+    assert again.tolist() == list(range(8, 32))
+    slots = a.pages_to_slots(again)
+    assert torch.equal(slots, torch.arange(8 * 16, 32 * 16))
+    # LIFO across calls: the pages freed last are the ones taken (ascending among themselves).
+    a.free_pages(torch.tensor([35, 33]))
+    a.free_pages(torch.tensor([2, 1]))
+    assert a.alloc_pages(2).tolist() == [1, 2]
+    assert a.alloc_pages(2).tolist() == [33, 35]
