@@ -441,13 +441,19 @@ class StorageBackend(ABC):
                     if direction is Direction.READ
                     else self._write(keys, some)
                 )
-                for i, ok in zip(todo, moved_ok):
-                    done[i] = bool(ok)
+                if len(todo) == len(names) == len(moved_ok):  # every key valid: the common case
+                    done = list(map(bool, moved_ok))
+                else:
+                    for i, ok in zip(todo, moved_ok):
+                        done[i] = bool(ok)
         except Exception:
             log.exception("%s: %s of %d pages failed", self.name, direction.value, len(keys))
             done = [False] * len(names)
         seconds = time.perf_counter() - start
-        moved = sum(part.nbytes for parts, ok in zip(pages, done) if ok for part in parts)
+        if all(done):
+            moved = sum(part.nbytes for parts in pages for part in parts)
+        else:
+            moved = sum(part.nbytes for parts, ok in zip(pages, done) if ok for part in parts)
         self.metrics.add_transfer(Tier.STORAGE, direction, moved, seconds)
         failed = len(done) - sum(done)
         if failed:

@@ -305,6 +305,24 @@ class PageViews:
     def __len__(self) -> int:
         return len(self._pages)
 
+    def subset(self, pages: range) -> PageViews:
+        """The views of ``pages`` (consecutive, step 1) as a ``PageViews`` of their own, page
+        ``pages[0]`` its page 0; it shares this one's regions (no call per part)."""
+        lo, hi = pages.start, pages.stop
+        if pages.step != 1 or not 0 <= lo <= hi <= len(self._pages):
+            raise ValueError(
+                f"pages must be a range of step 1 within {len(self._pages)}, got {pages}"
+            )
+        out = PageViews.__new__(PageViews)
+        a, b = (lo, hi) if self._single else (self._first[lo], self._first[hi])  # type: ignore[index]
+        out._pages = self._pages[lo:hi]
+        out._counts = self._counts[lo:hi]
+        out._single = self._single
+        out._first = None if self._single else [x - a for x in self._first[lo : hi + 1]]  # type: ignore[index]
+        out._ptrs, out._sizes = self._ptrs[a:b], self._sizes[a:b]
+        out._keep, out._regions, out._region = self._keep, self._regions, self._region[a:b]
+        return out
+
     def counts(self) -> list[int]:
         """How many parts each page has (shared with this object: not to be changed)."""
         return self._counts

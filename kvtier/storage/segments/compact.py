@@ -43,7 +43,7 @@ class Compactor:
         """The finished segment with the smallest live fraction under the threshold, if any."""
         best, best_ratio = None, self._below
         for seg in self._index.segments.values():
-            if seg.jfd is not None or seg is self._writer.active or seg.end == 0:
+            if seg.jfd is not None or seg in self._index.active or seg.end == 0:
                 continue  # a journal still growing, or this process's active segment
             ratio = seg.live_bytes / seg.end
             if ratio < best_ratio:

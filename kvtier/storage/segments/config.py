@@ -24,6 +24,11 @@ class SegmentBackendConfig:
     io_threads: threads per direction that share a batch's runs of records with the caller's
         thread (each run: one ``preadv`` or ``pwritev`` and its checksums; syscalls and XXH3 of
         more than 64 KiB release the GIL); 0: the caller's thread does everything.
+    write_lanes: segments this process appends to at once: a batch of at least two runs'
+        bytes is split among them by bytes, each share appended by one thread (the caller's and
+        IO threads), so the kernel copies several segments' pages in parallel (one file's
+        buffered writes take turns on its inode lock). At most ``io_threads + 1``; ``None``:
+        ``min(2, io_threads + 1)``. Each lane preallocates its own segment.
     dir_mode: permission bits of a root this backend creates (exactly, whatever the umask); an
         existing root may not be writable by more users than these bits allow. Must include
         ``0o700``.
@@ -48,6 +53,7 @@ class SegmentBackendConfig:
     fsync: bool = False
     segment_bytes: int | None = None
     io_threads: int = 1
+    write_lanes: int | None = None
     dir_mode: int = 0o700
     file_mode: int = 0o600
     allow_unsafe_root: bool = False
@@ -68,6 +74,15 @@ class SegmentBackendConfig:
                 raise ValueError(
                     f"{name} must be {'>= 0' if name == 'io_threads' else 'positive'}, got {value}"
                 )
+        lanes = self.write_lanes
+        if lanes is not None:
+            if isinstance(lanes, bool) or not isinstance(lanes, int):
+                raise TypeError(f"write_lanes must be an int, got {type(lanes).__name__} {lanes!r}")
+            if not 1 <= lanes <= self.io_threads + 1:
+                raise ValueError(
+                    f"write_lanes must be in [1, io_threads + 1 = {self.io_threads + 1}], "
+                    f"got {lanes}"
+                )
         cap, seg = self.capacity_bytes, self.segment_bytes
         if cap is not None and seg is not None and seg > cap:
             raise ValueError(f"segment_bytes must be at most capacity_bytes ({cap}), got {seg}")
@@ -81,3 +96,8 @@ class SegmentBackendConfig:
         value = self.compact_below
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
             raise ValueError(f"compact_below must be a number in [0, 1), got {value!r}")
+
+    @property
+    def lanes(self) -> int:
+        """The write lanes in use (``write_lanes`` resolved)."""
+        return min(2, self.io_threads + 1) if self.write_lanes is None else self.write_lanes

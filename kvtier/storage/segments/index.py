@@ -107,16 +107,22 @@ class Index:
     """The books above, shared by the reader, the writer and the space manager of one backend."""
 
     def __init__(
-        self, root: Path, dirfd: int, writer: str, open_segments: int, touch_interval_s: float
+        self,
+        root: Path,
+        dirfd: int,
+        writers: Iterable[str],
+        open_segments: int,
+        touch_interval_s: float,
     ) -> None:
-        self.root, self._dirfd, self.writer = root, dirfd, writer
+        self.root, self._dirfd = root, dirfd
+        self.writers = frozenset(writers)  # this process's writer names (one per write lane)
         self.mutex = threading.Lock()
         self.entries: dict[str, Loc] = {}
         # key -> (time, segment, seq) of its newest tombstone (``Entry.deleted``): records not
         # newer than it are dead. Kept while the segment whose journal holds it exists.
         self.tombs: dict[str, tuple[int, str, int]] = {}
         self.segments: dict[str, Segment] = {}
-        self.active: Segment | None = None  # this process's segment being appended to
+        self.active: set[Segment] = set()  # this process's segments being appended to
         self._open: OrderedDict[str, Segment] = OrderedDict()  # open read descriptors, LRU first
         self._open_max = open_segments
         self._touch_interval_s = touch_interval_s
@@ -156,13 +162,13 @@ class Index:
             m = NAME.fullmatch(name)
             if m is not None:
                 (data if m["ext"] == "kvs" else journals).add(name[:-4])
-        active = self.active.stem if self.active is not None else None
+        active = {seg.stem for seg in self.active}
         for stem, seg in list(self.segments.items()):
-            if stem not in data and stem != active:
+            if stem not in data and stem not in active:
                 self.remove_locked(seg)
         for stem in sorted((data & journals) - self.segments.keys()):
             writer, _, number = stem.rpartition("-")
-            if writer == self.writer:
+            if writer in self.writers:
                 continue  # our own leftovers (an append that failed): never served
             jfd = open_regular(self._dirfd, stem + ".kvj")
             if jfd is None:
@@ -208,12 +214,11 @@ class Index:
         """A segment this process just created; pinned while it appends to it."""
         seg.pins += 1
         self.segments[seg.stem] = seg
-        self.active = seg
+        self.active.add(seg)
 
     def finish_own_locked(self, seg: Segment) -> None:
         """This process stopped appending to ``seg``: its descriptor joins the read LRU."""
-        if self.active is seg:
-            self.active = None
+        self.active.discard(seg)
         if not seg.gone and seg.fd >= 0:
             self._open[seg.stem] = seg
         self.unpin_locked(seg)
@@ -309,7 +314,7 @@ class Index:
                 return -1
             seg.fd = fd
         seg.pins += 1
-        if seg is not self.active:
+        if seg not in self.active:
             self._open[seg.stem] = seg
             self._open.move_to_end(seg.stem)
             self._trim_locked()
@@ -363,4 +368,4 @@ class Index:
         self._open.clear()
         self.entries.clear()
         self.tombs.clear()
-        self.active = None
+        self.active.clear()

@@ -65,10 +65,13 @@ def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
         )
     if not order:
         return None
-    if len({segs[i] for i in order}) == 1:
+    used = {segs[i] for i in order}
+    if len(used) == 1:
         order.sort(key=offsets.__getitem__)  # one segment: linear when already in order
-    else:
-        order.sort(key=lambda i: (segs[i].stem, offsets[i]))
+    else:  # (segment, offset) as one int: still linear for a batch written in order
+        rank = {seg: r << 48 for r, seg in enumerate(sorted(used, key=lambda seg: seg.stem))}
+        where = [rank.get(seg, 0) | offset for seg, offset in zip(segs, offsets)]
+        order.sort(key=where.__getitem__)
     return _Plan(order, segs, offsets, sizes, trusted, algorithms, checksums)
 
 
@@ -149,6 +152,9 @@ class Reader:
             plan.lengths,
             plan.trusted,
         )
+        if _adjacent(plan, lo, hi, views.counts()):
+            self._read_adjacent(plan, lo, hi, views, fds, out, bad)
+            return
         counts = views.counts()
         j = lo
         while j < hi:
@@ -202,6 +208,67 @@ class Reader:
                     out[i] = True
                 else:
                     bad.append(i)
+
+    def _read_adjacent(
+        self,
+        plan: _Plan,
+        lo: int,
+        hi: int,
+        views: PageViews,
+        fds: dict[Segment, int],
+        out: list[bool],
+        bad: list[int],
+    ) -> None:
+        """``_read_chunk`` of a chunk that ``_adjacent`` accepts: one ``preadv``, its pages
+        verified in one pass."""
+        members = plan.order[lo:hi]
+        first, last = members[0], members[-1]
+        fd = fds[plan.segs[first]]
+        if fd < 0:
+            return  # the segment could not be opened: its pages stay unserved
+        start = plan.offsets[first]
+        want = plan.offsets[last] + plan.lengths[last] - start
+        try:
+            got = read_all(fd, views.iovecs(members), start, want)
+        except OSError as e:
+            log.warning(
+                "segment store %s: read of %s failed: %s",
+                self._index.root,
+                plan.segs[first].stem,
+                e,
+            )
+            return
+        if got < want:  # the segment ends inside the chunk: the general path sorts it out
+            end = start + got
+            members = [i for i in members if plan.offsets[i] + plan.lengths[i] <= end]
+            bad.extend(i for i in plan.order[lo:hi] if plan.offsets[i] + plan.lengths[i] > end)
+        algorithms, checksums, trusted = plan.algorithms, plan.checksums, plan.trusted
+        verify = [i for i in members if not trusted[i]]
+        for i in members:
+            if trusted[i]:
+                out[i] = True
+        for i, got_sum in zip(verify, views.checksums(verify)):
+            if got_sum == (algorithms[i], checksums[i]) or (
+                got_sum[0] != algorithms[i] and views.matches(i, algorithms[i], checksums[i])
+            ):
+                out[i] = True
+            else:
+                bad.append(i)
+
+
+def _adjacent(plan: _Plan, lo: int, hi: int, counts: Sequence[int]) -> bool:
+    """Whether records ``plan.order[lo:hi]`` lie back to back in one segment and none needs the
+    pieces of a large record: then they are one ``preadv`` (the usual chunk of a batch that was
+    written together). Sorted by (segment, offset) and non-overlapping, they are back to back
+    exactly when their span is the sum of their lengths. ``counts``: each page's parts."""
+    order, segs, offsets, lengths = plan.order, plan.segs, plan.offsets, plan.lengths
+    first, last = order[lo], order[hi - 1]
+    if segs[first] is not segs[last] or sum(counts[i] for i in order[lo:hi]) > IOV_MAX:
+        return False
+    sizes = [lengths[i] for i in order[lo:hi]]
+    if offsets[last] + lengths[last] - offsets[first] != sum(sizes):
+        return False
+    return max(sizes) <= RUN_BYTES or (hi - lo == 1 and plan.trusted[first])
 
 
 def _read_large(

@@ -7,7 +7,7 @@ format     the on-disk encodings (records, journal entries), both halves of each
 index      which record serves each key; segments and their read descriptors (a bounded LRU);
            catching up with other processes' journals
 reader     a batch read: sorted, one ``preadv`` per run of adjacent records, verified
-writer     appends to this process's own segments, then their journal entries
+writer     appends to this process's own segments, one per write lane; then journal entries
 space      the root-wide capacity: listing, LRU eviction of whole segments, deletion
 compact    copying the live records out of half-dead segments, then deleting them
 io         whole syscalls, and runs of a batch shared by the caller's and the IO threads
@@ -123,9 +123,11 @@ class SegmentBackend(StorageBackend):
         self._pools_mutex = threading.Lock()
         self._dirfd = open_root(self.root, config.dir_mode, config.allow_unsafe_root)
         self._lock = RootLock(self._dirfd, _LOCK_NAME, config.file_mode, config.lock_timeout_s)
-        writer_id = f"{os.getpid()}-{os.urandom(4).hex()}"
+        # One writer name per write lane: each lane's segments are numbered on their own, so
+        # another process tails the newest segment of each (older ones are final).
+        names = [f"{os.getpid()}-{os.urandom(4).hex()}" for _ in range(config.lanes)]
         self._index = Index(
-            self.root, self._dirfd, writer_id, config.open_segments, config.touch_interval_s
+            self.root, self._dirfd, names, config.open_segments, config.touch_interval_s
         )
         self._space = Space(self.root, self._dirfd, self._lock, self._index)
         self._reader = Reader(
@@ -135,7 +137,13 @@ class SegmentBackend(StorageBackend):
             config.verify == "once",
         )
         self._writer = Writer(
-            config, seg_bytes, self._dirfd, self._index, self._space, lambda: self._io_pool("write")
+            config,
+            seg_bytes,
+            self._dirfd,
+            self._index,
+            self._space,
+            lambda: self._io_pool("write"),
+            names,
         )
         self._compactor = Compactor(
             self._index, self._writer, self._space, self._dirfd, config.compact_below

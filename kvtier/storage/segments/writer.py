@@ -1,8 +1,9 @@
-"""Appending records: this process's own segments, one active at a time.
+"""Appending records: this process's own segments, one active at a time per write lane.
 
 Each process (each backend instance) writes only its own segments, ``<writer>-<n>.kvs`` with the
-journal ``<writer>-<n>.kvj`` beside it, where ``<writer>`` is ``<pid>-<8 random hex>``. A batch is
-laid out back to back at the end of the active segment and cut into runs (up to ``io.RUN_BYTES``);
+journal ``<writer>-<n>.kvj`` beside it, where ``<writer>`` is ``<pid>-<8 random hex>``, one writer
+name per write lane (``Lane``; ``Writer`` splits a batch among the lanes). A lane's share is
+laid out back to back at the end of its active segment and cut into runs (up to ``io.RUN_BYTES``);
 each run's payloads are checksummed by address (which brings them into the core's cache) and the
 run written with one ``pwritev`` of the caller's page buffers (pages adjacent in memory as one
 iovec) by the caller's thread or an IO thread, whichever takes it (``io.run_shared``). A record
@@ -25,9 +26,10 @@ import fcntl
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from kvtier.storage.base import MAX_KEY_LENGTH
@@ -50,7 +52,7 @@ from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES, pieces, run_shared, w
 from kvtier.storage.segments.root import create_file
 from kvtier.storage.segments.space import Space, journal_reserve
 
-__all__ = ["Writer", "layout"]
+__all__ = ["Lane", "Writer", "layout"]
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +136,13 @@ def layout(
     return k, offsets, runs, pos
 
 
-class Writer:
-    """This process's appends; callers hold one lock around ``append`` and ``close`` (appends are
-    ordered)."""
+class Lane:
+    """One write lane: appends to one active segment at a time, named after its own writer name
+    ``<pid>-<8 hex>``; ``Writer`` runs its lanes' appends in parallel, each lane on one thread.
+
+    ``roll_lock`` is shared by a process's lanes: the root lock is an ``flock`` of one descriptor,
+    which does not exclude this process's other threads. ``helpers``: IO threads that share this
+    lane's runs (only when it is the only lane)."""
 
     def __init__(
         self,
@@ -146,9 +152,13 @@ class Writer:
         index: Index,
         space: Space,
         pool: Callable[[], ThreadPoolExecutor | None],
+        name: str,
+        roll_lock: threading.Lock,
+        helpers: int,
     ) -> None:
         self._config, self._seg_bytes, self._dirfd = config, segment_bytes, dirfd
         self._index, self._space, self._pool = index, space, pool
+        self._name, self._roll_lock, self._helpers = name, roll_lock, helpers
         self._numbers = 0
         self._active: _Active | None = None
 
@@ -244,7 +254,8 @@ class Writer:
 
             return write_run
 
-        run_shared(self._pool(), self._config.io_threads, [job(r) for r in range(len(runs))])
+        jobs = [job(r) for r in range(len(runs))]
+        run_shared(self._pool() if self._helpers else None, self._helpers, jobs)
         # Only records before the first failed run are journaled; the segment takes no more.
         # Their entries are packed here for the whole batch at once (one numpy record array).
         last = min(failed) if failed else len(runs)
@@ -353,11 +364,11 @@ class Writer:
         if cap is not None and size + jcap > cap:
             return None
         self._numbers += 1
-        stem = f"{self._index.writer}-{self._numbers:08d}"
+        stem = f"{self._name}-{self._numbers:08d}"
         mode = self._config.file_mode
         fd = jfd = -1
         try:
-            with self._space.lock:
+            with self._roll_lock, self._space.lock:
                 if cap is not None and not self._space.make_room(size + jcap, cap):
                     return None
                 fd = create_file(self._dirfd, stem + ".kvs", mode)
@@ -371,7 +382,7 @@ class Writer:
                     os.close(fd_)
                     self._space.unlink(stem + ext)
             return None
-        seg = Segment(stem, self._index.writer, self._numbers, fd, None)
+        seg = Segment(stem, self._name, self._numbers, fd, None)
         with self._index.mutex:
             self._index.add_own_locked(seg)
         self._active = _Active(seg, size, jfd, jcap)
@@ -420,3 +431,90 @@ class Writer:
         if self._active is not None:
             self._finish(self._active, delete)
             self._active = None
+
+
+class Writer:
+    """This process's appends, through ``lanes`` write lanes (segments appended to at once):
+    a batch of at least two runs' bytes is cut into one contiguous share per lane, by bytes, and
+    each lane appends its share on its own thread (the caller's, or one of ``pool``'s). Buffered
+    writes into one file take its inode lock, so two threads writing one segment copy one after
+    the other; two segments take the kernel's copies in parallel. Callers hold one lock around
+    ``append``, ``tombstone`` and ``close`` (appends are ordered); a key appears at most once per
+    ``append``, so which lane holds it does not matter."""
+
+    def __init__(
+        self,
+        config: SegmentBackendConfig,
+        segment_bytes: int,
+        dirfd: int,
+        index: Index,
+        space: Space,
+        pool: Callable[[], ThreadPoolExecutor | None],
+        names: Sequence[str],
+    ) -> None:
+        roll = threading.Lock()
+        helpers = config.io_threads if len(names) == 1 else 0
+        self._lanes = [
+            Lane(config, segment_bytes, dirfd, index, space, pool, name, roll, helpers)
+            for name in names
+        ]
+        self._pool = pool
+
+    def append(
+        self,
+        keys: list[str],
+        parts: Sequence[list[memoryview]],
+        lengths: list[int],
+        time_ns: int = 0,
+    ) -> list[bool]:
+        """``Lane.append`` over the lanes: per record, whether it is stored (and indexed)."""
+        bounds = _shares(lengths, len(self._lanes))
+        if len(bounds) == 2:
+            return self._lanes[0].append(keys, parts, lengths, time_ns)
+        now = time_ns or time.time_ns()
+        views = parts if isinstance(parts, PageViews) else None
+        pool = self._pool()
+        assert pool is not None  # lanes > 1 needs IO threads (the config checks it)
+
+        def share(n: int) -> list[bool]:
+            lo, hi = bounds[n], bounds[n + 1]
+            some = views.subset(range(lo, hi)) if views is not None else parts[lo:hi]
+            return self._lanes[n].append(keys[lo:hi], some, lengths[lo:hi], now)
+
+        futures = [pool.submit(share, n) for n in range(1, len(bounds) - 1)]
+        try:
+            ok = share(0)
+        finally:
+            wait(futures)  # no lane may still touch the caller's buffers once this returns
+        for f in futures:
+            ok += f.result()
+        return ok
+
+    def tombstone(self, keys: list[str]) -> list[bool]:
+        """``Lane.tombstone`` in the first lane."""
+        return self._lanes[0].tombstone(keys)
+
+    def close(self, delete: bool = False) -> None:
+        """Finish every lane's active segment (deleting them with ``delete``)."""
+        for lane in self._lanes:
+            lane.close(delete)
+
+
+def _shares(lengths: Sequence[int], lanes: int) -> list[int]:
+    """Bounds cutting records of ``lengths`` into at most ``lanes`` contiguous shares of about
+    equal bytes, each of at least ``RUN_BYTES`` (a smaller batch stays whole)."""
+    n = len(lengths)
+    total = sum(lengths)
+    k = max(1, min(lanes, n, total // RUN_BYTES))
+    if k == 1:
+        return [0, n]
+    bounds, acc, cut = [0], 0, 1
+    for i, length in enumerate(lengths):
+        acc += length
+        if acc * k >= cut * total and i + 1 < n:
+            bounds.append(i + 1)
+            cut += 1
+            if cut == k:
+                break
+    bounds.append(n)
+    return bounds
