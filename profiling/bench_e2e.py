@@ -131,7 +131,7 @@ def layer_trace(cache, run, prepare) -> None:
         req = run("overlap", trace)
         sync()
         wall = time.perf_counter() - t0
-        begin, marks, cpu_s = trace[0]
+        (match_ms, reserve_ms, load_ms), (begin, marks, cpu_s) = trace
         waits, comps, prev = [], [], begin
         for a, b in marks:
             waits.append(prev.elapsed_time(a))
@@ -145,6 +145,11 @@ def layer_trace(cache, run, prepare) -> None:
             flush=True,
         )
         print(f"  waits per layer ms: {' '.join(f'{w:.2f}' for w in waits)}", flush=True)
+        print(
+            f"  CPU before the forward ms: match {match_ms:.2f}, reserve {reserve_ms:.2f}, "
+            f"start_loading {load_ms:.2f}",
+            flush=True,
+        )
         req.token_ids = req.token_ids[: req.computed_len]
         cache.cache_finished_req(req)
         cache.drain()
@@ -240,15 +245,20 @@ def main() -> None:
         sync()
 
     def run(mode: str, trace: list | None = None):
+        t0 = time.perf_counter()
         req = cache.match(prompt.tolist())
+        t1 = time.perf_counter()
         slots = cache.reserve(req, args.prompt).to(dev)
         start = req.cached_len
         if mode == "transfer":
             cache.start_loading()
             wait_all(req)
         else:
+            t2 = time.perf_counter()
             if cache.start_loading() and mode == "load_first":
                 wait_all(req)
+            if trace is not None:  # CPU ms before the forward: match, reserve, start_loading
+                trace.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3))
             with torch.no_grad():
                 model.forward(
                     cache, prompt_dev[start:], start, slots, wait=mode == "overlap", trace=trace
