@@ -145,6 +145,7 @@ def layer_trace(cache, run, prepare) -> None:
             flush=True,
         )
         print(f"  waits per layer ms: {' '.join(f'{w:.2f}' for w in waits)}", flush=True)
+        print(f"  compute per layer ms: {' '.join(f'{c:.2f}' for c in comps)}", flush=True)
         print(
             f"  CPU before the forward ms: match {match_ms:.2f}, reserve {reserve_ms:.2f}, "
             f"start_loading {load_ms:.2f}",
@@ -183,6 +184,12 @@ def main() -> None:
         choices=("auto", "kernel", "copy_engine", "staged"),
         help="copy path",
     )
+    ap.add_argument(
+        "--load-ahead",
+        type=int,
+        default=2,
+        help="steps the issue thread enqueues ahead of the forward's waits (0: all at once)",
+    )
     args = ap.parse_args()
     global HIDDEN, QH, FFN, VOCAB
     if args.smoke:
@@ -209,6 +216,7 @@ def main() -> None:
         io_backend=args.io_backend,
     )
     cache = TieredKVCache(cfg)
+    cache.controller.load_ahead = args.load_ahead or None
     model = LlamaShaped(args.layers, dev)
     prompt = torch.randint(0, VOCAB, (args.prompt,), generator=torch.Generator().manual_seed(1))
     prefix = prompt[: args.cached].tolist()

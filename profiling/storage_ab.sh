@@ -17,7 +17,7 @@ for round in 1 2; do
   for which in old new; do
     code=$NEW
     [ "$which" = old ] && code=/tmp/storage_ab_old
-    got=$(PYTHONPATH=$code python3 -c 'import kvtier; print(kvtier.__file__)')
+    got=$(cd / && PYTHONPATH=$code python3 -c 'import kvtier; print(kvtier.__file__)')
     case $got in
       "$code"/*) echo "== round $round: $which: $got" ;;
       *) echo "PYTHONPATH=$code imports $got (an editable install wins): run where none is"; exit 1 ;;

@@ -194,6 +194,9 @@ class CacheController:
         self._worker = IssueWorker() if self.cuda else None
         # Enqueue copy-engine batches from the worker thread (False: inline, as kernels are).
         self.offload_enqueue = True
+        # The worker enqueues a load's step at most this many steps ahead of the forward pass's
+        # latest wait_layer (Ticket pacing; None: every step at once).
+        self.load_ahead: int | None = 2
 
     def bind_backup_done(
         self, on_backup_done: Callable[[Backup, torch.cuda.Event | None], None] | None
@@ -375,6 +378,8 @@ class CacheController:
                     if start is not None and first == 0:
                         start.record()
                     for i, ((pool, layer), ev) in enumerate(steps, first):
+                        if ticket is not None:
+                            ticket.gate(i)
                         with nvtx_range(f"kvtier.load layer{layer} {pool}"):
                             for c, p in plans.get(pool, ()):
                                 own = c.own(layer)
@@ -396,13 +401,18 @@ class CacheController:
                 if not self._offload(all_plans):
                     enqueue()
                 elif not any(p.lead is not None for p in all_plans):
-                    ticket = self._worker.submit(enqueue, len(self.layer_map))
+                    ticket = self._worker.submit(
+                        enqueue, len(self.layer_map), ahead=self.load_ahead
+                    )
                 else:
                     # The lead step here, at once; the worker enqueues the rest while the
-                    # forward starts.
+                    # forward runs, ``load_ahead`` steps ahead of its waits (Ticket).
                     enqueue(first=0, stop=1)
                     ticket = self._worker.submit(
-                        lambda t: enqueue(t, first=1), len(self.layer_map), done=1
+                        lambda t: enqueue(t, first=1),
+                        len(self.layer_map),
+                        done=1,
+                        ahead=self.load_ahead,
                     )
             except BaseException:
                 # Nothing is in flight on the books: the batch goes back to the queue (its

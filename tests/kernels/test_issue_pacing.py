@@ -1,0 +1,84 @@
+"""Paced issue tickets: the worker enqueues a step only once a waiter has allowed it (or stops
+pacing after ``pace_s`` where nobody waits step by step); waiters never block for good."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvtier.kernels.copier import IssueWorker, Ticket
+
+BOUND_S = 10.0  # a job that takes longer than this is stuck, not slow
+
+
+def _paced_job(log: list[tuple[int, int]], finished: threading.Event):
+    """A job that records, per step, the allowance it was enqueued under."""
+
+    def job(ticket: Ticket, first: int = 0) -> None:
+        for i in range(first, ticket.steps):
+            ticket.gate(i)
+            with ticket._cond:
+                log.append((i, ticket._allowed))
+            ticket.advance()
+        finished.set()
+
+    return job
+
+
+@pytest.mark.parametrize(("done", "ahead"), [(0, 1), (0, 2), (1, 2), (1, 5)])
+def test_steps_are_enqueued_only_ahead_of_the_waits(done: int, ahead: int) -> None:
+    steps = 12
+    log: list[tuple[int, int]] = []
+    finished = threading.Event()
+    ticket = Ticket(steps, done, ahead=ahead, pace_s=BOUND_S)  # only waits move it on here
+    job = _paced_job(log, finished)
+    threading.Thread(target=job, args=(ticket, done), daemon=True).start()
+    for step in range(done, steps):
+        ticket.wait(step + 1)  # like wait_layer(step): returns once step is enqueued
+        with ticket._cond:
+            assert ticket._done <= min(steps, step + 1 + ahead)
+    assert finished.wait(BOUND_S)
+    assert [i for i, _ in log] == list(range(done, steps))
+    assert all(i < allowed for i, allowed in log), log  # never enqueued before allowed
+
+
+def test_a_ticket_nobody_waits_on_stops_pacing() -> None:
+    log: list[tuple[int, int]] = []
+    finished = threading.Event()
+    ticket = Ticket(8, 0, ahead=1, pace_s=0.005)
+    job = _paced_job(log, finished)
+    threading.Thread(target=job, args=(ticket,), daemon=True).start()
+    assert finished.wait(BOUND_S)  # the first gate gives up, then every step goes at once
+    assert [i for i, _ in log] == list(range(8))
+    assert [a for _, a in log][1:] == [8] * 7
+    ticket.wait()
+    assert ticket.done()
+
+
+def test_worker_submits_paced_tickets() -> None:
+    """``IssueWorker.submit(..., ahead=)`` hands the job a paced ticket: waits move it on."""
+    log: list[tuple[int, int]] = []
+    finished = threading.Event()
+    ticket = IssueWorker("test-issue").submit(_paced_job(log, finished), 5, ahead=2)
+    assert ticket._ahead == 2
+    ticket.wait()
+    assert finished.wait(BOUND_S)
+    assert [i for i, _ in log] == list(range(5))
+
+
+def test_an_unpaced_ticket_never_gates() -> None:
+    ticket = Ticket(4, 1)
+    for i in range(4):
+        ticket.gate(i)  # returns at once: everything is allowed
+    assert ticket._allowed == 4
+
+
+def test_waiting_for_all_allows_all() -> None:
+    log: list[tuple[int, int]] = []
+    finished = threading.Event()
+    ticket = Ticket(6, 0, ahead=1, pace_s=BOUND_S)
+    threading.Thread(target=_paced_job(log, finished), args=(ticket,), daemon=True).start()
+    ticket.wait()
+    assert finished.wait(BOUND_S)
+    assert [i for i, _ in log] == list(range(6))
