@@ -202,12 +202,7 @@ class Reader:
                     out[i] = True
                 else:
                     verify.append(i)
-            for i, got in zip(verify, views.checksums(verify)):  # a run's hashes at once
-                want = (plan.algorithms[i], plan.checksums[i])
-                if got == want or (got[0] != want[0] and views.matches(i, *want)):
-                    out[i] = True
-                else:
-                    bad.append(i)
+            _verify(plan, views, verify, out, bad)
 
     def _read_adjacent(
         self,
@@ -242,18 +237,24 @@ class Reader:
             end = start + got
             members = [i for i in members if plan.offsets[i] + plan.lengths[i] <= end]
             bad.extend(i for i in plan.order[lo:hi] if plan.offsets[i] + plan.lengths[i] > end)
-        algorithms, checksums, trusted = plan.algorithms, plan.checksums, plan.trusted
-        verify = [i for i in members if not trusted[i]]
+        trusted = plan.trusted
         for i in members:
             if trusted[i]:
                 out[i] = True
-        for i, got_sum in zip(verify, views.checksums(verify)):
-            if got_sum == (algorithms[i], checksums[i]) or (
-                got_sum[0] != algorithms[i] and views.matches(i, algorithms[i], checksums[i])
-            ):
-                out[i] = True
-            else:
-                bad.append(i)
+        _verify(plan, views, [i for i in members if not trusted[i]], out, bad)
+
+
+def _verify(
+    plan: _Plan, views: PageViews, pages: list[int], out: list[bool], bad: list[int]
+) -> None:
+    """Check each of ``pages`` (read in full) against its journal checksum, a run's hashes at
+    once: into ``out`` (True) or ``bad``."""
+    for i, got in zip(pages, views.checksums(pages)):
+        want = (plan.algorithms[i], plan.checksums[i])
+        if got == want or (got[0] != want[0] and views.matches(i, *want)):
+            out[i] = True
+        else:
+            bad.append(i)
 
 
 def _adjacent(plan: _Plan, lo: int, hi: int, counts: Sequence[int]) -> bool:
