@@ -156,6 +156,37 @@ def layer_trace(cache, run, prepare) -> None:
         cache.drain()
 
 
+def profile_start(cache, tokens: list[int], n: int, prepare) -> None:
+    """cProfile over what a host hit costs the CPU before the forward: match, reserve and
+    start_loading (the loads are then waited for and the request finished, untimed)."""
+    import cProfile
+    import pstats
+
+    for _ in range(2):  # the second run is printed: the first warms caches and the worker
+        prepare("overlap")
+        sync()
+        prof = cProfile.Profile()
+        prof.enable()
+        req = cache.match(tokens)
+        cache.reserve(req, n)
+        cache.start_loading()
+        prof.disable()
+        for layer in range(len(cache.config.layer_kinds)):
+            cache.wait_layer(layer, [req])
+        sync()
+        cache.computed(req, req.cached_len)
+        req.token_ids = req.token_ids[: req.computed_len]
+        cache.cache_finished_req(req)
+        cache.drain()
+    rows = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    for key, title in ((2, "own"), (3, "cumulative")):
+        print(f"profile-start: top functions by {title} time (us, calls)", flush=True)
+        top = sorted(rows.items(), key=lambda kv: -kv[1][key])[:24]
+        for (path, line, name), st in top:
+            where = f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}({name})"
+            print(f"  {st[key] * 1e6:8.0f} {st[1]:6d}  {where}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -189,6 +220,11 @@ def main() -> None:
         type=int,
         default=2,
         help="steps the issue thread enqueues ahead of the forward's waits (0: all at once)",
+    )
+    ap.add_argument(
+        "--profile-start",
+        action="store_true",
+        help="also print cProfile's top functions over a host hit's match + start_loading",
     )
     args = ap.parse_args()
     global HIDDEN, QH, FFN, VOCAB
@@ -300,6 +336,8 @@ def main() -> None:
 
     if args.layer_trace and dev.type == "cuda":
         layer_trace(cache, run, prepare)
+    if args.profile_start:
+        profile_start(cache, prompt.tolist(), args.prompt, prepare)
 
     fresh = [0]
 

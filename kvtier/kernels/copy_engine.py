@@ -41,6 +41,7 @@ __all__ = [
     "batch_call_kind",
     "build_descriptors",
     "engine_support",
+    "layer_descriptors",
     "memcpy_2d",
     "memcpy_batch",
 ]
@@ -151,6 +152,21 @@ class Descriptors:
     def group(self, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         a, b = int(self.offsets[g]), int(self.offsets[g + 1])
         return self.src[a:b], self.dst[a:b], self.sizes[a:b]
+
+
+def layer_descriptors(geom: ChunkGeometry, dev_pages: np.ndarray, host_pages: np.ndarray) -> int:
+    """At most how many descriptors :func:`build_descriptors` gives one layer of this batch,
+    without building any: each buffer's pages merge where they are consecutive on both sides
+    (a chunk could also continue into the next buffer's first page when the two tensors
+    happen to touch; not counted, so this is an upper bound). Pairs with a ``-1`` are skipped."""
+    keep = (dev_pages >= 0) & (host_pages >= 0)
+    dp = dev_pages[keep].astype(np.int64, copy=False)
+    hp = host_pages[keep].astype(np.int64, copy=False)
+    if dp.size == 0:
+        return 0
+    c = geom.chunk_bytes
+    breaks = np.count_nonzero((np.diff(dp) != 1) | (np.diff(hp) * geom.stride_page != c))
+    return geom.num_buffers * (1 + int(breaks))
 
 
 def build_descriptors(

@@ -269,6 +269,27 @@ def test_adjacent_pages_merge(layout):
 @pytest.mark.parametrize("P", [1, 16, 64])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_layer_descriptor_count_bounds_the_built_one(kind, layout, P):
+    """The route's count (no descriptors built) is never below what the build gives a layer,
+    and equals it for these pools (their buffers never touch): random pages, runs, skips."""
+    dev, host, gen = _setup(kind, layout, P, seed=11 + P)
+    geom = ChunkGeometry.of(dev, host)
+    for trial in range(12):
+        n = 1 + trial % 4
+        d_pages = pick_pages(DEV_PAGES, n, gen).numpy()
+        h_pages = pick_pages(HOST_PAGES, n, gen).numpy()
+        if trial % 3 == 0:  # consecutive on both sides: runs merge
+            d_pages, h_pages = np.arange(n) + 1, np.arange(n)
+        if trial % 4 == 1:
+            d_pages[0] = -1
+        desc = build_descriptors(geom, d_pages, h_pages, d2h=False, layers=range(L), per_layer=True)
+        built = int(np.diff(desc.offsets).max())
+        assert copy_engine.layer_descriptors(geom, d_pages, h_pages) == built, (d_pages, h_pages)
+
+
+@pytest.mark.parametrize("P", [1, 16, 64])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("d2h", [True, False], ids=["d2h", "h2d"])
 def test_emulated_batches_equal_reference(kind, layout, P, d2h):
     dev, host, gen = _setup(kind, layout, P, seed=7 + P)
