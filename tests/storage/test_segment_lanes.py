@@ -23,7 +23,7 @@ from kvtier.storage.segments.index import NAME
 from kvtier.storage.segments.io import RUN_BYTES
 
 NS = Namespace("lanes-test", "bfloat16", 4, "page_first")
-PAGE = 4096
+PAGE = writer_mod.LANE_MIN_RECORD  # pages large enough to be split among lanes
 BATCH = 4 * RUN_BYTES // PAGE  # pages of a batch big enough for two lanes
 H = page_hashes(range(NS.page_size * 2 * BATCH), NS)  # two batches of pages
 
@@ -93,17 +93,19 @@ def test_shares_cut_by_bytes() -> None:
     rng = random.Random(7)
     for _ in range(500):
         n = rng.randint(1, 40)
-        lengths = [rng.choice([0, 100, PAGE, RUN_BYTES // 3, 2 * RUN_BYTES]) for _ in range(n)]
+        lengths = [rng.choice([0, 100, 4096, PAGE, RUN_BYTES, 2 * RUN_BYTES]) for _ in range(n)]
         lanes = rng.randint(1, 4)
         bounds = writer_mod._shares(lengths, lanes)
         assert bounds[0] == 0 and bounds[-1] == n
         assert all(a < b for a, b in zip(bounds, bounds[1:])), bounds  # no empty share
         assert len(bounds) - 1 <= lanes
-        if sum(lengths) < 2 * RUN_BYTES:
-            assert bounds == [0, n]  # too small to split
-    # Equal records split evenly.
+        if sum(lengths) < max(2 * RUN_BYTES, n * writer_mod.LANE_MIN_RECORD):
+            assert bounds == [0, n]  # too small to split, or records too small on average
+    # Equal records split evenly; small ones stay in one lane whatever the batch's size.
     assert writer_mod._shares([PAGE] * BATCH, 2) == [0, BATCH // 2, BATCH]
-    assert writer_mod._shares([PAGE] * 10, 4) == [0, 10]  # 40 KiB: one share
+    assert writer_mod._shares([2 * RUN_BYTES] * 6, 4) == [0, 2, 3, 5, 6]
+    assert writer_mod._shares([PAGE] * 3, 4) == [0, 3]  # 384 KiB: one share
+    assert writer_mod._shares([64 << 10] * 128, 2) == [0, 128]  # 8 MiB of 64 KiB pages
 
 
 def test_page_views_subset() -> None:

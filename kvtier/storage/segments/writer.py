@@ -141,8 +141,7 @@ class Lane:
     ``<pid>-<8 hex>``; ``Writer`` runs its lanes' appends in parallel, each lane on one thread.
 
     ``roll_lock`` is shared by a process's lanes: the root lock is an ``flock`` of one descriptor,
-    which does not exclude this process's other threads. ``helpers``: IO threads that share this
-    lane's runs (only when it is the only lane)."""
+    which does not exclude this process's other threads."""
 
     def __init__(
         self,
@@ -154,11 +153,10 @@ class Lane:
         pool: Callable[[], ThreadPoolExecutor | None],
         name: str,
         roll_lock: threading.Lock,
-        helpers: int,
     ) -> None:
         self._config, self._seg_bytes, self._dirfd = config, segment_bytes, dirfd
         self._index, self._space, self._pool = index, space, pool
-        self._name, self._roll_lock, self._helpers = name, roll_lock, helpers
+        self._name, self._roll_lock = name, roll_lock
         self._numbers = 0
         self._active: _Active | None = None
 
@@ -172,11 +170,12 @@ class Lane:
         parts: Sequence[list[memoryview]],
         lengths: list[int],
         time_ns: int = 0,
+        helpers: int = 0,
     ) -> list[bool]:
         """Append one record per key, moving on to new segments as they fill; per record,
         whether it is stored (and indexed). ``parts[i]``: record i's payload buffers (a list, or
         a ``PageViews``, which makes them in the IO thread that writes the record); ``time_ns``:
-        the journal time (0: now)."""
+        the journal time (0: now); ``helpers``: IO threads that share its runs."""
         counts = parts.counts() if isinstance(parts, PageViews) else [len(p) for p in parts]
         m = len(keys)
         ok = [False] * m
@@ -195,7 +194,7 @@ class Lane:
                 if act is None:
                     break  # no room, no lock, or no disk: the rest of the batch fails
             now = time_ns or time.time_ns()
-            k = self._append_some(act, keys, parts, lengths, counts, j, now, ok, uniform)
+            k = self._append_some(act, keys, parts, lengths, counts, j, now, ok, uniform, helpers)
             j = k
         return ok
 
@@ -210,9 +209,11 @@ class Lane:
         now: int,
         ok: list[bool],
         uniform: bool,
+        helpers: int,
     ) -> int:
         """Append records ``j..`` while they fit in ``act``; the first record not taken.
-        ``uniform``: every record has one length, part count and key length."""
+        ``uniform``: every record has one length, part count and key length; ``helpers``: IO
+        threads that share its runs."""
         k, offsets, runs, pos = layout(
             act.end, act.size, act.jcap - act.jend, keys, lengths, counts, j, uniform
         )
@@ -255,7 +256,7 @@ class Lane:
             return write_run
 
         jobs = [job(r) for r in range(len(runs))]
-        run_shared(self._pool() if self._helpers else None, self._helpers, jobs)
+        run_shared(self._pool() if helpers else None, helpers, jobs)
         # Only records before the first failed run are journaled; the segment takes no more.
         # Their entries are packed here for the whole batch at once (one numpy record array).
         last = min(failed) if failed else len(runs)
@@ -453,12 +454,10 @@ class Writer:
         names: Sequence[str],
     ) -> None:
         roll = threading.Lock()
-        helpers = config.io_threads if len(names) == 1 else 0
         self._lanes = [
-            Lane(config, segment_bytes, dirfd, index, space, pool, name, roll, helpers)
-            for name in names
+            Lane(config, segment_bytes, dirfd, index, space, pool, name, roll) for name in names
         ]
-        self._pool = pool
+        self._pool, self._helpers = pool, config.io_threads
 
     def append(
         self,
@@ -469,8 +468,8 @@ class Writer:
     ) -> list[bool]:
         """``Lane.append`` over the lanes: per record, whether it is stored (and indexed)."""
         bounds = _shares(lengths, len(self._lanes))
-        if len(bounds) == 2:
-            return self._lanes[0].append(keys, parts, lengths, time_ns)
+        if len(bounds) == 2:  # one lane: its runs shared with the IO threads
+            return self._lanes[0].append(keys, parts, lengths, time_ns, self._helpers)
         now = time_ns or time.time_ns()
         views = parts if isinstance(parts, PageViews) else None
         pool = self._pool()
@@ -500,12 +499,22 @@ class Writer:
             lane.close(delete)
 
 
+LANE_MIN_RECORD = 128 << 10
+"""Records smaller than this on average stay in one lane (its runs shared with the IO threads):
+per-record Python is then what bounds a put, not the kernel's copy, and two lanes measured
+slower (64 KiB pages: 96 vs 108 ms per 256 MiB on the dev VM, 50-73% vs 67-75% of raw on the
+quiet host); from 256 KiB up two lanes were faster (2 MiB: 98-100% vs 86-93%)."""
+
+
 def _shares(lengths: Sequence[int], lanes: int) -> list[int]:
     """Bounds cutting records of ``lengths`` into at most ``lanes`` contiguous shares of about
-    equal bytes, each of at least ``RUN_BYTES`` (a smaller batch stays whole)."""
+    equal bytes, each of at least ``RUN_BYTES`` (a smaller batch stays whole, as does one whose
+    records average under ``LANE_MIN_RECORD``)."""
     n = len(lengths)
     total = sum(lengths)
     k = max(1, min(lanes, n, total // RUN_BYTES))
+    if n and total < n * LANE_MIN_RECORD:
+        k = 1
     if k == 1:
         return [0, n]
     bounds, acc, cut = [0], 0, 1
