@@ -22,6 +22,7 @@ import torch
 from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import SegmentBackend
 from kvtier.storage.segments.format import ENTRY_SIZE, RECORD_HEAD
+from kvtier.storage.segments.writer import LANE_MIN_RECORD
 
 NS = Namespace("segment-crash", "bfloat16", 4, "page_first")
 PAGE = 16 << 10
@@ -75,20 +76,39 @@ b.close()
 """
 
 
-def expected(h: str) -> torch.Tensor:
+def expected(h: str, page: int = PAGE) -> torch.Tensor:
     g = torch.Generator().manual_seed(int(h[:15], 16))
-    return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
+    return torch.randint(0, 256, (page,), dtype=torch.uint8, generator=g)
 
 
-def check_served(b: SegmentBackend) -> list[bool]:
-    """Read every page; any page served must equal its expected bytes."""
-    out = [torch.full((PAGE,), 0xEE, dtype=torch.uint8) for _ in H[: BATCH * BATCHES]]
-    keys = H[: BATCH * BATCHES]
+def check_served(b: SegmentBackend, page: int = PAGE, n: int = BATCH * BATCHES) -> list[bool]:
+    """Read the first ``n`` pages; any page served must equal its expected bytes."""
+    out = [torch.full((page,), 0xEE, dtype=torch.uint8) for _ in H[:n]]
+    keys = H[:n]
     ok = b.get([PoolTransfer("kv", keys, out)]).ok["kv"]
     for i, (h, got) in enumerate(zip(keys, ok)):
         if got:
-            assert torch.equal(out[i], expected(h)), f"page {i} served with wrong bytes"
+            assert torch.equal(out[i], expected(h, page)), f"page {i} served with wrong bytes"
     return ok
+
+
+def killed_writer(tmp_path: Path, budget: int, page: int, batch: int, segment: int) -> int:
+    """Run the dying writer with ``budget`` bytes; the batches it logged complete."""
+    root, progress = tmp_path / "l3", tmp_path / "progress"
+    script = tmp_path / "writer.py"
+    script.write_text(
+        textwrap.dedent(WRITER).format(batch=batch, batches=BATCHES, page=page, segment=segment)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script), str(root), str(budget), str(progress)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == -9, f"the writer was to be killed: {proc.returncode} {proc.stderr}"
+    return len(progress.read_text().split()) if progress.exists() else 0
 
 
 # Segments of 5 batches' records less a bit: the third batch rolls over to a second segment.
@@ -107,21 +127,8 @@ BUDGETS = {
 
 @pytest.mark.parametrize("budget", list(BUDGETS.values()), ids=list(BUDGETS))
 def test_writer_killed_mid_batch_leaves_only_intact_pages(tmp_path: Path, budget: int) -> None:
-    root, progress = tmp_path / "l3", tmp_path / "progress"
-    script = tmp_path / "writer.py"
-    script.write_text(
-        textwrap.dedent(WRITER).format(batch=BATCH, batches=BATCHES, page=PAGE, segment=SEGMENT)
-    )
-    proc = subprocess.run(
-        [sys.executable, str(script), str(root), str(budget), str(progress)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert proc.returncode == -9, f"the writer was to be killed: {proc.returncode} {proc.stderr}"
-    done = len(progress.read_text().split()) if progress.exists() else 0
+    root = tmp_path / "l3"
+    done = killed_writer(tmp_path, budget, PAGE, BATCH, SEGMENT)
     reader = create_backend("file", root=root)
     assert isinstance(reader, SegmentBackend)
     ok = check_served(reader)
@@ -136,6 +143,39 @@ def test_writer_killed_mid_batch_leaves_only_intact_pages(tmp_path: Path, budget
     assert all(check_served(create_backend("file", root=root)))
     writer.clear()
     assert list(root.glob("*.kvs")) == [], "the crashed writer's segment was evictable"
+
+
+# Pages large enough for two write lanes: each batch is split between two segments written by
+# two threads at once (the budget is shared, so either thread may be the one that dies).
+LANE_PAGE = LANE_MIN_RECORD
+LANE_BATCH = 8
+LANE_SEGMENT = 5 * LANE_PAGE  # a lane takes 4 pages a batch: its second batch rolls over
+lane_rng = random.Random(99)
+LANE_BUDGETS = {
+    "mid-first-share": 2 * LANE_PAGE + 100,
+    "end-of-first-batch-records": LANE_BATCH * LANE_PAGE,
+    **{f"random-{i}": lane_rng.randrange(BATCHES * LANE_BATCH * LANE_PAGE) for i in range(4)},
+}
+
+
+@pytest.mark.parametrize("budget", list(LANE_BUDGETS.values()), ids=list(LANE_BUDGETS))
+def test_two_lane_writer_killed_mid_batch(tmp_path: Path, budget: int) -> None:
+    """Killed while both lanes write: only intact pages are served, every batch the writer saw
+    complete is, and a new writer can complete the set and clear the root."""
+    root = tmp_path / "l3"
+    n = LANE_BATCH * BATCHES
+    done = killed_writer(tmp_path, budget, LANE_PAGE, LANE_BATCH, LANE_SEGMENT)
+    lanes = {p.name.rsplit("-", 1)[0] for p in root.glob("*.kvs")}
+    assert done == 0 or len(lanes) == 2, lanes  # the complete batches went through two lanes
+    ok = check_served(create_backend("file", root=root), LANE_PAGE, n)
+    assert all(ok[: done * LANE_BATCH]), "every page of a batch the writer saw complete is served"
+    assert sum(ok) <= budget // LANE_PAGE
+    writer = create_backend("file", root=root)
+    keys = H[:n]
+    assert writer.set([PoolTransfer("kv", keys, [expected(h, LANE_PAGE) for h in keys])]).all_ok
+    assert all(check_served(create_backend("file", root=root), LANE_PAGE, n))
+    writer.clear()
+    assert list(root.glob("*.kvs")) == [], "the crashed writer's segments were evictable"
 
 
 def test_faked_reboot_serves_what_reached_the_disk(tmp_path: Path) -> None:
