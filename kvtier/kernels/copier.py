@@ -381,8 +381,16 @@ class Ticket:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._ahead = ahead
-        self._allowed = steps if ahead is None else min(steps, done + ahead)
+        # As InlineSteps: the first step and ``ahead`` more before anyone waits.
+        self._allowed = steps if ahead is None else min(steps, max(done, 1) + ahead)
         self._pace_s = pace_s
+
+    def unpace(self) -> None:
+        """Allow every step now (another job waits behind this one on the worker)."""
+        with self._cond:
+            if self._allowed < self.steps:
+                self._allowed = self.steps
+                self._cond.notify_all()
 
     def gate(self, step: int) -> None:
         """Called by the job before it enqueues step ``step`` (0-based): returns once a waiter
@@ -439,24 +447,40 @@ class IssueWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._name = name
         self._thread: threading.Thread | None = None
+        self._running: Ticket | None = None  # the job being run
 
     def submit(
-        self, job: Callable[[Ticket], None], steps: int, done: int = 0, ahead: int | None = None
+        self,
+        job: Callable[[Ticket], None],
+        steps: int,
+        done: int = 0,
+        ahead: int | None = None,
+        pace_s: float = 0.002,
     ) -> Ticket:
         """Run ``job(ticket)`` on the worker; it calls ``ticket.advance()`` after each of its
         ``steps - done`` steps (``done``: steps the caller enqueued itself, first), and with
         ``ahead`` (a paced ticket) ``ticket.gate(i)`` before step ``i``."""
-        ticket = Ticket(steps, done, ahead)
+        ticket = Ticket(steps, done, ahead, pace_s)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
+        running = self._running  # read first: the job put next may start at once
         self._jobs.put((job, ticket))
+        if running is not None:
+            # A paced job must not hold up the one queued behind it (a later batch's load, a
+            # backup): it enqueues the rest of its steps at once (a finished one: no effect).
+            running.unpace()
         return ticket
 
     def _run(self) -> None:
         while True:
             job, ticket = self._jobs.get()
+            self._running = ticket
+            if not self._jobs.empty():
+                ticket.unpace()
             try:
                 job(ticket)
             except BaseException as e:  # handed to the waiters: a worker never dies silently
                 ticket._fail(e)
+            finally:
+                self._running = None

@@ -26,6 +26,7 @@ On CPU there are no streams: copies complete when issued, and ``poll`` acknowled
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -145,18 +146,20 @@ class InlineSteps:
         self.steps = steps
         self._issue, self._issued, self._ahead = issue, issued, ahead
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # a poll on another thread never passes a step in issue
 
     def _to(self, stop: int) -> None:
-        if self._error is not None:  # a step's copy may be missing: no wait may pass it
-            raise RuntimeError("a copy could not be enqueued") from self._error
-        stop = min(stop, self.steps)
-        if stop > self._issued:
-            first, self._issued = self._issued, stop
-            try:
-                self._issue(first, stop)
-            except BaseException as e:
-                self._error = e
-                raise RuntimeError("a copy could not be enqueued") from e
+        with self._lock:
+            if self._error is not None:  # a step's copy may be missing: no wait may pass it
+                raise RuntimeError("a copy could not be enqueued") from self._error
+            stop = min(stop, self.steps)
+            if stop > self._issued:
+                try:
+                    self._issue(self._issued, stop)
+                except BaseException as e:
+                    self._error = e
+                    raise RuntimeError("a copy could not be enqueued") from e
+                self._issued = stop
 
     @property
     def issued(self) -> int:
@@ -454,7 +457,7 @@ class CacheController:
                         )
                 elif not any(p.lead is not None for p in all_plans):
                     ticket = self._worker.submit(
-                        enqueue, len(self.layer_map), ahead=self.load_ahead
+                        enqueue, len(self.layer_map), ahead=self.load_ahead or None
                     )
                 else:
                     # The lead step here, at once; the worker enqueues the rest while the
@@ -464,7 +467,7 @@ class CacheController:
                         lambda t: enqueue(t, first=1),
                         len(self.layer_map),
                         done=1,
-                        ahead=self.load_ahead,
+                        ahead=self.load_ahead or None,
                     )
             except BaseException:
                 # Nothing is in flight on the books: the batch goes back to the queue (its

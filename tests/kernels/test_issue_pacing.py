@@ -51,7 +51,7 @@ def test_a_ticket_nobody_waits_on_stops_pacing() -> None:
     threading.Thread(target=job, args=(ticket,), daemon=True).start()
     assert finished.wait(BOUND_S)  # the first gate gives up, then every step goes at once
     assert [i for i, _ in log] == list(range(8))
-    assert [a for _, a in log][1:] == [8] * 7
+    assert [a for _, a in log] == [2, 2] + [8] * 6  # the first step and one ahead, then all
     ticket.wait()
     assert ticket.done()
 
@@ -82,3 +82,19 @@ def test_waiting_for_all_allows_all() -> None:
     ticket.wait()
     assert finished.wait(BOUND_S)
     assert [i for i, _ in log] == list(range(6))
+
+
+def test_a_job_queued_behind_a_paced_one_ends_its_pacing() -> None:
+    """A paced load must not hold up what the worker runs next (a later batch's load, a
+    backup): submitting another job lets the running one enqueue the rest at once."""
+    worker = IssueWorker("test-issue")
+    first_log: list[tuple[int, int]] = []
+    first_done, second_done = threading.Event(), threading.Event()
+    # Only the queued job may end its pacing: no gate gives up within the test's bound.
+    first = worker.submit(_paced_job(first_log, first_done), 10, ahead=1, pace_s=BOUND_S)
+    first.wait(1)  # the job runs and is held at its gate (nobody waits further)
+    second = worker.submit(_paced_job([], second_done), 3)
+    assert first_done.wait(BOUND_S), "the paced job was not released by the queued one"
+    assert second_done.wait(BOUND_S)
+    assert [i for i, _ in first_log] == list(range(10))
+    second.wait()

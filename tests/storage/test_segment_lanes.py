@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import threading
 from pathlib import Path
 
 import pytest
@@ -164,26 +163,22 @@ def test_one_lane_writes_one_segment(tmp_path: Path) -> None:
         b.close()
 
 
-def test_a_failing_lane_fails_only_its_share(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The lane on an IO thread cannot write (a full disk there): its share fails, the caller's
-    lane's share is stored, and what is served is exactly what ``set`` reported."""
-    real = writer_mod.write_all
-
-    def failing(fd: int, iovecs: list, offset: int) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            raise OSError(errno.ENOSPC, "no space (injected)")
-        real(fd, iovecs, offset)
-
+def test_a_failing_lane_hands_its_share_to_a_lane_that_stored(tmp_path: Path) -> None:
+    """The second lane gets no segment (as under a root capacity that has no room for one more
+    active segment): the first lane stores its own share and then the failed one, so the batch
+    is stored as one lane would have stored it; served whole, also after a restart."""
     b = create_backend("file", root=tmp_path)
     try:
-        monkeypatch.setattr(writer_mod, "write_all", failing)
-        ok = put(b, H[:BATCH])
-        assert ok == [True] * (BATCH // 2) + [False] * (BATCH // 2)
-        monkeypatch.setattr(writer_mod, "write_all", real)
-        assert served(b, H[:BATCH]) == ok
-        assert all(put(b, H[:BATCH]))  # the failed lane moves on to a new segment
+        tried: list[int] = []
+
+        def no_room(need: int, tombstones: int = 0) -> None:
+            tried.append(need)
+            return None
+
+        b._writer._lanes[1]._roll = no_room  # type: ignore[method-assign]
+        assert all(put(b, H[:BATCH]))
+        assert tried, "the second lane was given a share"
+        assert len(writers(tmp_path)) == 1  # everything went into the first lane's segment
         assert all(served(b, H[:BATCH]))
     finally:
         b.close()
@@ -192,3 +187,23 @@ def test_a_failing_lane_fails_only_its_share(
         assert all(served(again, H[:BATCH]))
     finally:
         again.close()
+
+
+def test_lanes_that_all_fail_store_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every write fails: each page is reported failed, nothing is served, and the books hold
+    nothing of the batch (a later put stores it whole)."""
+    b = create_backend("file", root=tmp_path)
+    try:
+
+        def failing(fd: int, iovecs: list, offset: int) -> None:
+            raise OSError(errno.ENOSPC, "no space (injected)")
+
+        with monkeypatch.context() as m:
+            m.setattr(writer_mod, "write_all", failing)
+            assert put(b, H[:BATCH]) == [False] * BATCH
+        assert served(b, H[:BATCH]) == [False] * BATCH
+        assert b.exists([PoolTransfer("kv", H[:BATCH])]) == 0
+        assert all(put(b, H[:BATCH]))
+        assert all(served(b, H[:BATCH]))
+    finally:
+        b.close()

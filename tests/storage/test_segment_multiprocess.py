@@ -19,6 +19,7 @@ import torch
 from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import SegmentBackend
 from kvtier.storage.segments.format import RECORD_HEAD
+from kvtier.storage.segments.writer import LANE_MIN_RECORD
 
 NS = Namespace("segment-mp", "bfloat16", 4, "page_first")
 PAGE = 16 << 10
@@ -27,7 +28,6 @@ BATCHES = 12
 KEYS = page_hashes(range(4 * 3 * BATCH * BATCHES), NS)
 SHARED = KEYS[: BATCH * BATCHES]  # both writers write these, in the same order
 OWN = [KEYS[(w + 1) * BATCH * BATCHES : (w + 2) * BATCH * BATCHES] for w in range(2)]
-SEGMENT = 4 * BATCH * (RECORD_HEAD + PAGE)
 
 WRITER = """
 import sys, torch
@@ -60,9 +60,9 @@ b.close()
 """
 
 
-def expected(h: str) -> torch.Tensor:
+def expected(h: str, page: int = PAGE) -> torch.Tensor:
     g = torch.Generator().manual_seed(int(h[:15], 16))
-    return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
+    return torch.randint(0, 256, (page,), dtype=torch.uint8, generator=g)
 
 
 def written_keys() -> list[str]:
@@ -75,23 +75,31 @@ def written_keys() -> list[str]:
     return out
 
 
-def verify_all(reader: SegmentBackend, keys: list[str]) -> list[bool]:
-    out = [torch.full((PAGE,), 0xEE, dtype=torch.uint8) for _ in keys]
+def verify_all(reader: SegmentBackend, keys: list[str], page: int = PAGE) -> list[bool]:
+    out = [torch.full((page,), 0xEE, dtype=torch.uint8) for _ in keys]
     ok = reader.get([PoolTransfer("kv", keys, out)]).ok["kv"]
     for i, (h, got) in enumerate(zip(keys, ok)):
         if got:
-            assert torch.equal(out[i], expected(h)), f"key {i} served with wrong bytes"
+            assert torch.equal(out[i], expected(h, page)), f"key {i} served with wrong bytes"
     return ok
 
 
-@pytest.mark.parametrize("capacity", [None, 4 * SEGMENT], ids=["unbounded", "capacity"])
-def test_two_writers_and_a_reader_share_one_root(tmp_path: Path, capacity: int | None) -> None:
+# 16 KiB pages go through one write lane per writer; 128 KiB pages through two (each batch
+# split between two segments of that writer, appended by two threads) on the unbounded root,
+# and through one under the capacity (four segments: two lanes' would take half of it).
+@pytest.mark.parametrize("page", [PAGE, LANE_MIN_RECORD], ids=["16KiB", "128KiB"])
+@pytest.mark.parametrize("capacity", [None, 4], ids=["unbounded", "capacity"])
+def test_two_writers_and_a_reader_share_one_root(
+    tmp_path: Path, capacity: int | None, page: int
+) -> None:
+    segment = 4 * BATCH * (RECORD_HEAD + page)
+    capacity = None if capacity is None else capacity * segment
     root = tmp_path / "l3"
-    reader = create_backend("file", root=root, segment_bytes=SEGMENT, capacity_bytes=capacity)
+    reader = create_backend("file", root=root, segment_bytes=segment, capacity_bytes=capacity)
     assert isinstance(reader, SegmentBackend)
     script = tmp_path / "writer.py"
     script.write_text(
-        textwrap.dedent(WRITER).format(batch=BATCH, batches=BATCHES, page=PAGE, segment=SEGMENT)
+        textwrap.dedent(WRITER).format(batch=BATCH, batches=BATCHES, page=page, segment=segment)
     )
     cap_arg = "none" if capacity is None else str(capacity)
     writers = [
@@ -108,7 +116,7 @@ def test_two_writers_and_a_reader_share_one_root(tmp_path: Path, capacity: int |
     rounds = served = 0
     try:
         while any(w.poll() is None for w in writers):
-            served += sum(verify_all(reader, keys))  # while they write: never a wrong byte
+            served += sum(verify_all(reader, keys, page))  # while they write: no wrong byte
             if capacity is not None:
                 assert reader.used_bytes <= capacity
             rounds += 1
@@ -121,7 +129,7 @@ def test_two_writers_and_a_reader_share_one_root(tmp_path: Path, capacity: int |
     for w, (out, err) in zip(writers, results):
         assert w.returncode == 0, err[-3000:]
         assert out.split() == ["written", "0"], "every write of both writers succeeded"
-    ok = verify_all(reader, keys)
+    ok = verify_all(reader, keys, page)
     if capacity is None:
         assert all(ok), f"{ok.count(False)} pages another process wrote are not seen"
     else:
@@ -134,5 +142,5 @@ def test_two_writers_and_a_reader_share_one_root(tmp_path: Path, capacity: int |
         assert any(all(ok[i] for i in idx) for idx in last), "the newest pages were kept"
     # A fresh process's view, rebuilt from the journals, serves at least as much (a key both
     # wrote whose newer record was evicted may still have the older one).
-    again = verify_all(create_backend("file", root=root), keys)
+    again = verify_all(create_backend("file", root=root), keys, page)
     assert all(a or not b for a, b in zip(again, ok)), "a fresh reader lost pages"

@@ -108,13 +108,25 @@ class Compactor:
         with self._index.mutex:
             for key, loc in bad:
                 self._index.drop_locked(key, loc)
-        # The copies carry the oldest copied record's time, not now: a tombstone another
+        # Each copy carries its record's own time plus 1 ns, not now: a tombstone another
         # process made after a record was written must still win over its copy, even if this
-        # process has not read that tombstone yet (all records of a key hold the same bytes,
-        # so an older time never serves wrong data).
-        copied = set(keys)
-        oldest = min((loc.time_ns for key, loc in live if key in copied), default=0)
-        stored = self._writer.append(keys, parts, lengths, time_ns=oldest)
-        if not all(stored):
-            raise OSError(f"{stored.count(False)} of {len(keys)} live records not copied")
+        # process has not read that tombstone yet; and the copy must win over its original
+        # (which goes with this segment), whatever the segments' names: with an older time, or
+        # the same time and a smaller name, the index kept the original and lost the key when
+        # the segment went. Records are appended in groups of one time (one per batch written).
+        times = {key: loc.time_ns for key, loc in live}
+        groups: dict[int, list[int]] = {}
+        for i, key in enumerate(keys):
+            groups.setdefault(times[key], []).append(i)
+        failed = 0
+        for t, idx in sorted(groups.items()):
+            stored = self._writer.append(
+                [keys[i] for i in idx],
+                [parts[i] for i in idx],
+                [lengths[i] for i in idx],
+                time_ns=t + 1,
+            )
+            failed += stored.count(False)
+        if failed:
+            raise OSError(f"{failed} of {len(keys)} live records not copied")
         return len(keys), len(bad)

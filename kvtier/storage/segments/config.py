@@ -19,8 +19,8 @@ class SegmentBackendConfig:
         ``None`` for no limit.
     fsync: ``fdatasync`` the segment and the journal once per batch (durable across power loss).
     segment_bytes: size a segment is preallocated to (a page larger than it gets one of its own);
-        ``None``: 64 MiB, or an eighth of ``capacity_bytes`` if smaller, so that eviction (whole
-        segments) is fine-grained. At most ``capacity_bytes``.
+        ``None``: 64 MiB, or an eighth of ``capacity_bytes`` shared by the write lanes if
+        smaller, so that eviction (whole segments) is fine-grained. At most ``capacity_bytes``.
     io_threads: threads per direction that share a batch's runs of records with the caller's
         thread (each run: one ``preadv`` or ``pwritev`` and its checksums; syscalls and XXH3 of
         more than 64 KiB release the GIL); 0: the caller's thread does everything.
@@ -28,7 +28,9 @@ class SegmentBackendConfig:
         bytes is split among them by bytes, each share appended by one thread (the caller's and
         IO threads), so the kernel copies several segments' pages in parallel (one file's
         buffered writes take turns on its inode lock). At most ``io_threads + 1``; ``None``:
-        ``min(2, io_threads + 1)``. Each lane preallocates its own segment.
+        ``min(2, io_threads + 1)``. Each lane preallocates its own segment, so under a
+        ``capacity_bytes`` that the lanes' segments would take more than a quarter of, one lane
+        is used; a lane that gets no segment (no room) hands its share to a lane that has one.
     dir_mode: permission bits of a root this backend creates (exactly, whatever the umask); an
         existing root may not be writable by more users than these bits allow. Must include
         ``0o700``.

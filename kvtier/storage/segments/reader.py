@@ -260,16 +260,20 @@ def _verify(
 def _adjacent(plan: _Plan, lo: int, hi: int, counts: Sequence[int]) -> bool:
     """Whether records ``plan.order[lo:hi]`` lie back to back in one segment and none needs the
     pieces of a large record: then they are one ``preadv`` (the usual chunk of a batch that was
-    written together). Sorted by (segment, offset) and non-overlapping, they are back to back
-    exactly when their span is the sum of their lengths. ``counts``: each page's parts."""
+    written together): each starts where the one before it ends. ``counts``: each page's
+    parts."""
     order, segs, offsets, lengths = plan.order, plan.segs, plan.offsets, plan.lengths
     first, last = order[lo], order[hi - 1]
     if segs[first] is not segs[last] or sum(counts[i] for i in order[lo:hi]) > IOV_MAX:
         return False
-    sizes = [lengths[i] for i in order[lo:hi]]
-    if offsets[last] + lengths[last] - offsets[first] != sum(sizes):
+    members = order[lo:hi]
+    if offsets[last] + lengths[last] - offsets[first] != sum(lengths[i] for i in members):
         return False
-    return max(sizes) <= RUN_BYTES or (hi - lo == 1 and plan.trusted[first])
+    # Span == sum alone would also pass a key read twice (its offset repeated) with another
+    # record's bytes in the gap: every record must start where the one before it ends.
+    if any(offsets[b] != offsets[a] + lengths[a] for a, b in zip(members, members[1:])):
+        return False
+    return max(lengths[i] for i in members) <= RUN_BYTES or (hi - lo == 1 and plan.trusted[first])
 
 
 def _read_large(

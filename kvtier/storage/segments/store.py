@@ -116,7 +116,9 @@ class SegmentBackend(StorageBackend):
         self.root = Path(config.root)
         cap = config.capacity_bytes
         seg_bytes = config.segment_bytes or (
-            _SEGMENT_BYTES if cap is None else min(_SEGMENT_BYTES, max(cap // 8, 1))
+            _SEGMENT_BYTES
+            if cap is None
+            else min(_SEGMENT_BYTES, max(cap // (8 * config.lanes), 1))
         )
         self._append = threading.Lock()  # this process's appends (and compactions), in order
         self._pools: dict[str, ThreadPoolExecutor] = {}

@@ -454,6 +454,12 @@ class Writer:
         names: Sequence[str],
     ) -> None:
         roll = threading.Lock()
+        cap = config.capacity_bytes
+        per = segment_bytes + journal_reserve(segment_bytes)
+        if cap is not None and len(names) * per > cap // 4:
+            # Each lane holds a preallocated active segment: under a capacity that several of
+            # them would crowd (and that other processes share), one lane.
+            names = names[:1]
         self._lanes = [
             Lane(config, segment_bytes, dirfd, index, space, pool, name, roll) for name in names
         ]
@@ -487,6 +493,21 @@ class Writer:
             wait(futures)  # no lane may still touch the caller's buffers once this returns
         for f in futures:
             ok += f.result()
+        if not all(ok):
+            # A lane that could not store its share (typically: no room under the root's
+            # capacity for one more active segment, which lanes multiply) hands what failed to
+            # a lane that stored all of its own (it has a segment with room), or else to the
+            # first, so lanes never fail a write one lane would have stored. Only records
+            # never journaled are retried.
+            whole = [n for n in range(len(bounds) - 1) if all(ok[bounds[n] : bounds[n + 1]])]
+            lane = self._lanes[whole[0] if whole else 0]
+            retry = [i for i, good in enumerate(ok) if not good]
+            some = [views[i] for i in retry] if views is not None else [parts[i] for i in retry]
+            again = lane.append(
+                [keys[i] for i in retry], some, [lengths[i] for i in retry], now, self._helpers
+            )
+            for i, good in zip(retry, again):
+                ok[i] = good
         return ok
 
     def tombstone(self, keys: list[str]) -> list[bool]:
@@ -507,9 +528,9 @@ quiet host); from 256 KiB up two lanes were faster (2 MiB: 98-100% vs 86-93%).""
 
 
 def _shares(lengths: Sequence[int], lanes: int) -> list[int]:
-    """Bounds cutting records of ``lengths`` into at most ``lanes`` contiguous shares of about
-    equal bytes, each of at least ``RUN_BYTES`` (a smaller batch stays whole, as does one whose
-    records average under ``LANE_MIN_RECORD``)."""
+    """Bounds cutting records of ``lengths`` into at most ``lanes`` contiguous, non-empty shares
+    of about equal bytes, at most one per ``RUN_BYTES`` of the batch (a smaller batch stays
+    whole, as does one whose records average under ``LANE_MIN_RECORD``)."""
     n = len(lengths)
     total = sum(lengths)
     k = max(1, min(lanes, n, total // RUN_BYTES))
