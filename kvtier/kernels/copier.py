@@ -19,6 +19,7 @@ indexer: one item per KV page), so the item of slot run ``s`` is ``s // G``.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable
@@ -218,21 +219,16 @@ class HostCopier:
         if route.path == "staged":
             return self._plan_staged(route, d_pages, h_pages, d2h, per_layer)
         geom = self.geometry
-        if not geom.contiguous:
-            raise ValueError("host: chunks are not contiguous in this layout; use the kernel path")
 
+        @functools.cache
         def build() -> Descriptors:
             return build_descriptors(
                 geom, d_pages, h_pages, d2h=d2h, layers=range(L), per_layer=per_layer
             )
 
-        if per_layer:
-            # A load's descriptors are built when its first copy-engine step is issued (on the
-            # issue worker): here only counted, for the route.
-            most, made = layer_descriptors(geom, d_pages, h_pages), None
-        else:
-            made = build()
-            most = _most(made)
+        # A load's descriptors are built when its first copy-engine step is issued (on the
+        # issue worker): here only counted, for the route. A backup's are built now.
+        most = layer_descriptors(geom, d_pages, h_pages) if per_layer else _most(build())
         if self.io_backend == "auto":
             # Weigh what enqueueing this batch costs: its largest call's descriptors.
             route = self.route(d2h=d2h, call_bytes=call_bytes, descriptors=most)
@@ -240,8 +236,7 @@ class HostCopier:
                 return self._plan_staged(route, d_pages, h_pages, d2h, per_layer)
             if route.path != "copy_engine":
                 return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L)
-        desc = build if made is None else made
-        plan = self._plan_engine(route, desc, most, layer_bytes * L, d2h, per_layer)
+        plan = self._plan_engine(route, build, most, layer_bytes * L, d2h, per_layer)
         if lead and per_layer and not d2h and self.io_backend == "auto":
             lead_route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
             plan.lead = self._plan_kernel(lead_route, d_items, h_items, d2h, layer_bytes)
@@ -273,28 +268,25 @@ class HostCopier:
     def _plan_engine(
         self,
         route: Route,
-        desc: Descriptors | Callable[[], Descriptors],
+        desc: Callable[[], Descriptors],
         most: int,
         total: int,
         d2h: bool,
         per_layer: bool,
     ) -> CopyPlan:
-        # ``desc`` may be a builder, run when the plan is first issued; each group's contiguous
-        # arrays are made when it is first issued too: on the issue worker for all but a
-        # load's first layer, off the thread that starts the forward pass.
-        made: list[Descriptors] = [] if callable(desc) else [desc]
+        # ``desc`` builds (once) the batch's descriptors, asked when the plan is first issued;
+        # each group's contiguous arrays are made when it is first issued too: on the issue
+        # worker for all but a load's first layer, off the thread that starts the forward pass.
         groups: dict[int, tuple] = {}
         device, layout = self.dev.device, self.layout
 
         def issue(layer: int | None) -> None:
             if per_layer and layer is None:
                 raise ValueError("layer: this plan is per layer; pass the layer to issue")
-            if not made:
-                made.append(desc())  # type: ignore[operator]
             g = layer if per_layer else 0
             group = groups.get(g)
             if group is None:
-                group = groups[g] = _group(made[0], g)
+                group = groups[g] = _group(desc(), g)
             dsts, srcs, sizes, nbytes = group
             shown = layer if per_layer else None
             with nvtx_range(copy_range_name(d2h, "copy_engine", shown, layout, nbytes)):

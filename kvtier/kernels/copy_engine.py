@@ -154,11 +154,17 @@ class Descriptors:
         return self.src[a:b], self.dst[a:b], self.sizes[a:b]
 
 
+def _check_contiguous(geom: ChunkGeometry) -> None:
+    if not geom.contiguous:
+        raise ValueError("host: chunks are not contiguous in this layout; use the kernel path")
+
+
 def layer_descriptors(geom: ChunkGeometry, dev_pages: np.ndarray, host_pages: np.ndarray) -> int:
     """At most how many descriptors :func:`build_descriptors` gives one layer of this batch,
     without building any: each buffer's pages merge where they are consecutive on both sides
     (a chunk could also continue into the next buffer's first page when the two tensors
     happen to touch; not counted, so this is an upper bound). Pairs with a ``-1`` are skipped."""
+    _check_contiguous(geom)
     keep = (dev_pages >= 0) & (host_pages >= 0)
     dp = dev_pages[keep].astype(np.int64, copy=False)
     hp = host_pages[keep].astype(np.int64, copy=False)
@@ -185,8 +191,7 @@ def build_descriptors(
     Within a group, entries run layer-major, then buffer, then page, and a chunk that continues
     the previous one on both sides is merged into it.
     """
-    if not geom.contiguous:
-        raise ValueError("host: chunks are not contiguous in this layout; use the kernel path")
+    _check_contiguous(geom)
     keep = (dev_pages >= 0) & (host_pages >= 0)
     dp = dev_pages[keep].astype(np.int64, copy=False)
     hp = host_pages[keep].astype(np.int64, copy=False)

@@ -233,7 +233,7 @@ class Reader:
                 e,
             )
             return
-        if got < want:  # the segment ends inside the chunk: the general path sorts it out
+        if got < want:  # the segment ends inside the chunk: the records it cuts are bad
             end = start + got
             members = [i for i in members if plan.offsets[i] + plan.lengths[i] <= end]
             bad.extend(i for i in plan.order[lo:hi] if plan.offsets[i] + plan.lengths[i] > end)
@@ -267,10 +267,8 @@ def _adjacent(plan: _Plan, lo: int, hi: int, counts: Sequence[int]) -> bool:
     if segs[first] is not segs[last] or sum(counts[i] for i in order[lo:hi]) > IOV_MAX:
         return False
     members = order[lo:hi]
-    if offsets[last] + lengths[last] - offsets[first] != sum(lengths[i] for i in members):
-        return False
-    # Span == sum alone would also pass a key read twice (its offset repeated) with another
-    # record's bytes in the gap: every record must start where the one before it ends.
+    # Each record where the one before it ends (a span equal to the sum of the lengths would
+    # also pass a key read twice, its offset repeated, with another record in the gap).
     if any(offsets[b] != offsets[a] + lengths[a] for a, b in zip(members, members[1:])):
         return False
     return max(lengths[i] for i in members) <= RUN_BYTES or (hi - lo == 1 and plan.trusted[first])
