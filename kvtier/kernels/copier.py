@@ -384,14 +384,16 @@ class Ticket:
                 self._allowed = self.steps
                 self._cond.notify_all()
 
-    def gate(self, step: int) -> None:
+    def gate(self, step: int) -> bool:
         """Called by the job before it enqueues step ``step`` (0-based): returns once a waiter
-        has allowed it, or after ``pace_s`` (then every later step is allowed too)."""
+        has allowed it, or after ``pace_s`` (then every later step is allowed too). True if it
+        had to wait (the copy stream may have gone idle since the step before)."""
         with self._cond:
             if step < self._allowed:
-                return
+                return False
             if not self._cond.wait_for(lambda: step < self._allowed, timeout=self._pace_s):
                 self._allowed = self.steps  # nobody waits step by step: stop pacing
+            return True
 
     def advance(self) -> None:
         """Called by the job after each step it has enqueued."""

@@ -90,9 +90,11 @@ class PoolBinding:
 class TransferStats:
     """Monotonic counters of the copies issued and acknowledged.
 
-    ``*_seconds`` is the copies' own time: on CUDA, between events recorded on the copy stream
-    right before the first launch and after the last (the stream's idle gaps between launches,
-    if the GPU outruns the launching CPU, are inside); on CPU, the synchronous copy's wall
+    ``*_seconds`` is the copies' own time: on CUDA, the sum over each run of steps issued at
+    once of the span between events recorded on the copy stream right before its first launch
+    and after its last (a load issued as the forward pass waits is several runs, and the gaps
+    between them, where the stream waits for the next issue, are left out; idle gaps inside a
+    run, if the GPU outruns the launching CPU, are inside); on CPU, the synchronous copy's wall
     time. ``*_ack_seconds`` is the latency a scheduler sees: from submission to the ``poll``
     that acknowledged the copy, summed over ``*_acked`` copies.
 
@@ -183,7 +185,9 @@ class _Op:
     event: torch.cuda.Event | None
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     issued_step: int = 0
-    start: torch.cuda.Event | None = None
+    # ``(step, event)`` recorded before the first step of each run of steps issued at once; a
+    # run ends at the step before the next one's (its layer event), the last at ``event``.
+    starts: list[tuple[int, torch.cuda.Event]] = field(default_factory=list)
     nbytes: int = 0
     layer_events: list[torch.cuda.Event | None] = field(default_factory=list)
     submitted: float = field(default_factory=time.perf_counter)
@@ -298,6 +302,7 @@ class CacheController:
         with nvtx_range(f"kvtier.backup {len(books.nodes)} nodes"):
             keep, nbytes = [], 0
             start = self._event()
+            starts = [(0, start)] if start is not None else []
             t0 = time.perf_counter()
             with self._after_compute(self.write_stream):
                 # Plans (descriptors, device-side indices) first, so that the timed span holds
@@ -361,12 +366,12 @@ class CacheController:
                 torch.cuda.current_stream(self.device).wait_event(event)
                 for t in keep:
                     t.record_stream(self.write_stream)
-                self._untimed.append(_Op("backup", books, event, [], self._step, start, nbytes))
+                self._untimed.append(_Op("backup", books, event, [], self._step, starts, nbytes))
             self.tree.finish_backup(books)
             if self.on_backup_done is not None:
                 self.on_backup_done(books, event)
             return True
-        op = _Op("backup", books, event, keep, self._step, start, nbytes, ticket=ticket)
+        op = _Op("backup", books, event, keep, self._step, starts, nbytes, ticket=ticket)
         self._backups.append(op)
         return True
 
@@ -397,7 +402,7 @@ class CacheController:
         cpu_idx = {pool: (torch.cat(d), torch.cat(h)) for pool, (d, h) in merged.items()}
         nbytes = sum(d.numel() * self.bindings[p].bytes_per_index for p, (d, _) in cpu_idx.items())
         events = [self._event() for _ in self.layer_map]
-        start = self._event()
+        starts: list[tuple[int, torch.cuda.Event]] = []
         t0 = time.perf_counter()
         plans: dict[str, list[tuple[BoundCopier, CopyPlan]]] = {}
         idx: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -423,11 +428,12 @@ class CacheController:
             def enqueue(ticket: Ticket | None = None, first: int = 0, stop: int | None = None):
                 steps = list(zip(self.layer_map, events))[first:stop]
                 with self._on(stream):
-                    if start is not None and first == 0:
-                        start.record()
                     for i, ((pool, layer), ev) in enumerate(steps, first):
-                        if ticket is not None:
-                            ticket.gate(i)
+                        resumed = ticket is not None and ticket.gate(i)
+                        if self.cuda and (i == first or resumed):  # a run of steps starts
+                            run = self._event()
+                            run.record()
+                            starts.append((i, run))
                         with nvtx_range(f"kvtier.load layer{layer} {pool}"):
                             for c, p in plans.get(pool, ()):
                                 own = c.own(layer)
@@ -494,7 +500,7 @@ class CacheController:
                 events[-1] if events else None,
                 keep,
                 self._step,
-                start,
+                starts,
                 nbytes,
                 events,
                 ticket=ticket,
@@ -578,10 +584,11 @@ class CacheController:
         self._time(op, direction)
 
     def _time(self, op: _Op, direction: str) -> None:
-        if op.event is None or op.start is None:
+        if op.event is None or not op.starts:
             return  # CPU: timed when issued
         op.event.synchronize()
-        seconds = op.start.elapsed_time(op.event) / 1e3
+        ends = [op.layer_events[i - 1] for i, _ in op.starts[1:]] + [op.event]
+        seconds = sum(s.elapsed_time(e) for (_, s), e in zip(op.starts, ends)) / 1e3
         st = self.stats
         if direction == "d2h":
             st.d2h_seconds += seconds

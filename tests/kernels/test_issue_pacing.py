@@ -12,12 +12,15 @@ from kvtier.kernels.copier import IssueWorker, Ticket
 BOUND_S = 10.0  # a job that takes longer than this is stuck, not slow
 
 
-def _paced_job(log: list[tuple[int, int]], finished: threading.Event):
-    """A job that records, per step, the allowance it was enqueued under."""
+def _paced_job(log: list[tuple[int, int]], finished: threading.Event, waited=None):
+    """A job that records, per step, the allowance it was enqueued under (and in ``waited``,
+    what ``gate`` said: whether it had to wait)."""
 
     def job(ticket: Ticket, first: int = 0) -> None:
         for i in range(first, ticket.steps):
-            ticket.gate(i)
+            w = ticket.gate(i)
+            if waited is not None:
+                waited.append(w)
             with ticket._cond:
                 log.append((i, ticket._allowed))
             ticket.advance()
@@ -46,12 +49,15 @@ def test_steps_are_enqueued_only_ahead_of_the_waits(done: int, ahead: int) -> No
 def test_a_ticket_nobody_waits_on_stops_pacing() -> None:
     log: list[tuple[int, int]] = []
     finished = threading.Event()
+    waited: list[bool] = []
     ticket = Ticket(8, 0, ahead=1, pace_s=0.005)
-    job = _paced_job(log, finished)
+    job = _paced_job(log, finished, waited)
     threading.Thread(target=job, args=(ticket,), daemon=True).start()
     assert finished.wait(BOUND_S)  # the first gate gives up, then every step goes at once
     assert [i for i, _ in log] == list(range(8))
     assert [a for _, a in log] == [2, 2] + [8] * 6  # the first step and one ahead, then all
+    # Only the step that waited says so (the controller starts a new timed run there).
+    assert waited == [False, False, True] + [False] * 5
     ticket.wait()
     assert ticket.done()
 
@@ -70,7 +76,7 @@ def test_worker_submits_paced_tickets() -> None:
 def test_an_unpaced_ticket_never_gates() -> None:
     ticket = Ticket(4, 1)
     for i in range(4):
-        ticket.gate(i)  # returns at once: everything is allowed
+        assert not ticket.gate(i)  # returns at once: everything is allowed
     assert ticket._allowed == 4
 
 

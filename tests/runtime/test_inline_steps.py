@@ -1,11 +1,12 @@
 """``InlineSteps``: a kernel-path load's steps issued by its waiters, ``ahead`` past each wait,
-the rest when the load is acknowledged (``done``), each step exactly once and in order."""
+the rest when the load is acknowledged (``done``), each step exactly once and in order; and the
+load's time, summed over its runs of steps."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.runtime.controller import InlineSteps
+from kvtier.runtime.controller import CacheController, InlineSteps, TransferStats, _Op
 
 
 def _steps(total: int, issued: int, ahead: int) -> tuple[InlineSteps, list[tuple[int, int]]]:
@@ -64,3 +65,29 @@ def test_a_failing_issue_fails_every_later_wait() -> None:
         with pytest.raises(RuntimeError, match="could not be enqueued"):
             again()
     assert calls == [(2, 3)]  # never retried behind the waiter's back
+
+
+class _At:
+    """A stand-in for a timed CUDA event: recorded at ``t`` ms of the stream's clock."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, end: _At) -> float:
+        return end.t - self.t
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_a_load_is_timed_over_its_runs_of_steps() -> None:
+    """Steps 0-2 issued at start (copies 0-3 ms), step 3 and steps 4-5 later as the forward
+    waits (10-11 ms, 20-22 ms): 6 ms of copying, not the 22 ms from first to last."""
+    layer_events = [_At(t) for t in (1, 2, 3, 11, 21, 22)]
+    starts = [(0, _At(0)), (3, _At(10)), (4, _At(20))]
+    op = _Op("load", [], layer_events[-1], starts=starts, nbytes=6, layer_events=layer_events)
+    ctl = CacheController.__new__(CacheController)
+    ctl.stats = TransferStats()
+    ctl._time(op, "h2d")
+    assert ctl.stats.h2d_seconds == pytest.approx(6e-3)
+    assert ctl.stats.h2d_timed_bytes == 6
