@@ -36,6 +36,8 @@ CASES = (
     ("page_first", "d2h", 0, 1, (None, None, None)),
 )
 PROGRAMS = (1, 2, 4)
+# Knobs named explicitly are measured as named: page-size-1 copies would take the token variant.
+NO_TOKEN_VARIANT = {"token_d2h_programs": 0, "token_h2d_programs": 0}
 
 
 def measure(rounds: int) -> list[dict]:
@@ -53,7 +55,7 @@ def measure(rounds: int) -> list[dict]:
             pct = {}
             for name, knobs in (
                 ("default", TransferKnobs(programs)),
-                ("16 warps", TransferKnobs(programs, num_warps=16)),
+                ("16 warps", TransferKnobs(programs, num_warps=16, **NO_TOKEN_VARIANT)),
             ):
                 if direction == "d2h":
 
@@ -93,16 +95,147 @@ def measure(rounds: int) -> list[dict]:
     return rows
 
 
+# Token-granular cases (page size 1, each 2 KiB item its own random slot) for the sweep.
+TOKEN_CASES = tuple(
+    (layout, direction, layer, 1, (None, None, None))
+    for layout in ("layer_first", "page_first")
+    for direction in ("d2h", "h2d")
+    for layer in (0, None)
+)
+
+
+def sweep(rounds: int, cases: tuple, programs_list: tuple, tiles: tuple) -> list[dict]:
+    """Cases over programs x tile bytes x warps: where the defaults stand against the best
+    knobs of the grid (% of the copy engine, best of ``rounds`` medians)."""
+    dev, _stacks, cfg = make_pools("llama3-8b")
+    ceiling = Ceiling()
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for layout, direction, layer, P, _sgl in cases:
+        host = make_host(cfg, layout, P)
+        didx, hidx = random_slots(P, gen), random_slots(P, gen)
+        n_sel = 1 if layer is not None else dev.num_layers
+        nbytes = N_TOKENS * dev.num_buffers * n_sel * dev.item_bytes
+        ce = ceiling(nbytes, direction)
+        for programs in programs_list:
+            for tile in tiles:
+                for warps in (8, 16, 32):
+                    k = TransferKnobs(
+                        programs, tile_bytes=tile, num_warps=warps, **NO_TOKEN_VARIANT
+                    )
+                    if direction == "d2h":
+
+                        def fn(k=k):
+                            copy_device_to_host(
+                                dev, host, didx, hidx, layer=layer, knobs=k, check=False
+                            )
+                    else:
+
+                        def fn(k=k):
+                            copy_host_to_device(
+                                host, dev, hidx, didx, layer=layer, knobs=k, check=False
+                            )
+
+                    best = max(gbs(nbytes, median_ms(fn, rep_ms=60)) for _ in range(rounds))
+                    rows.append(
+                        {
+                            "layout": layout,
+                            "direction": direction,
+                            "layer": layer,
+                            "P": P,
+                            "programs": programs,
+                            "tile_bytes": tile,
+                            "warps": warps,
+                            "pct": 100 * best / ce,
+                        }
+                    )
+                    print(
+                        f"sweep {layout:11s} {direction} layer={layer} P={P:<2d} "
+                        f"programs={programs} tile={tile >> 10}K warps={warps}: "
+                        f"{rows[-1]['pct']:5.1f}%",
+                        flush=True,
+                    )
+    return rows
+
+
+def write_sweep(rows: list[dict], info: dict, out: str, kind: str) -> None:
+    """The sweep's JSON, a Markdown table (per case and grid: the default knobs, the token
+    variant's 128 KiB / 32 warps, the best cell) and a PNG of the same."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out, exist_ok=True)
+    name = f"bench_small_grid_sweep_{kind}"
+    with open(os.path.join(out, name + ".json"), "w") as f:
+        json.dump({"info": info, "rows": rows}, f, indent=1)
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        scope = "all layers" if r["layer"] is None else "one layer"
+        groups.setdefault((r["layout"], r["direction"], scope, r["P"], r["programs"]), []).append(r)
+    lines = [f"# Copy kernel knobs swept ({kind}): % of the copy engine", ""]
+    lines += header_lines(info) + [""]
+    lines += [
+        "| layout | copy | P | programs | default (64 KiB, warps) | 128 KiB, 32 warps | best |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    labels, dflt, wide = [], [], []
+    for (layout, direction, scope, P, programs), rs in groups.items():
+        warps = TransferKnobs(programs).warps
+
+        def pct(tile, w, rs=rs):
+            return next(r["pct"] for r in rs if r["tile_bytes"] == tile and r["warps"] == w)
+
+        best = max(rs, key=lambda r: r["pct"])
+        d, t = pct(65536, warps), pct(131072, 32)
+        lines.append(
+            f"| {layout} | {direction} {scope} | {P} | {programs} | {d:.1f}% ({warps}) | "
+            f"{t:.1f}% | {best['pct']:.1f}% ({best['tile_bytes'] >> 10} KiB, "
+            f"{best['warps']} warps) |"
+        )
+        labels.append(f"{layout[:5]} {direction} {scope[:3]} P{P} x{programs}")
+        dflt.append(d)
+        wide.append(t)
+    with open(os.path.join(out, name + ".md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(12, 5))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], dflt, 0.4, label="64 KiB tile, default warps")
+    ax.bar([i + 0.2 for i in x], wide, 0.4, label="128 KiB tile, 32 warps")
+    ax.set_xticks(list(x), labels, rotation=75, fontsize=7)
+    ax.set_ylabel("% of the copy engine")
+    ax.set_ylim(0, 100)
+    ax.legend(loc="lower right")
+    ax.set_title(f"{info['gpu']}: copy kernel knobs ({kind})")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, name + ".png"), dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--rounds", type=int, default=2, help="best of this many medians per cell")
+    ap.add_argument(
+        "--sweep",
+        choices=("pages", "tokens"),
+        help="instead: tile bytes x warps over the page cases at 2 and 4 programs, or over "
+        "page-size-1 cases at 2, 4 and 8 programs",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_small_grid measures on a GPU")
     set_debug_checks(False)
+    if args.sweep:
+        if args.sweep == "pages":
+            rows = sweep(args.rounds, CASES, (2, 4), (16384, 32768, 65536, 131072))
+        else:
+            rows = sweep(args.rounds, TOKEN_CASES, (2, 4, 8), (65536, 131072, 262144))
+        if args.out:
+            write_sweep(rows, environment(), args.out, args.sweep)
+        return
     rows = measure(args.rounds)
     info = environment()
     if not args.out:

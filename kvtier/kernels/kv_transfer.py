@@ -156,6 +156,17 @@ class TransferKnobs:
             of step anyway (profiling/results/gpu_kernel.md). Device->host stores are posted
             and keep the default.
         small_tile_bytes, small_num_warps: the small-call variant's tile and warps.
+        token_d2h_programs, token_h2d_programs: copies with a host pool of page size 1 whose
+            items are at most ``token_item_bytes`` (each token's K or V of one layer at its own
+            host slot: 2 KiB on Llama-8B shapes) on at most this many programs use the token
+            variant below, device->host and host->device (0: never). Scattered small items
+            want more bytes in flight per program than pages do (H100, bench_small_grid
+            ``--sweep tokens``: 2 programs H->D 81-88 -> 91-94% of the copy engine, 4 programs
+            page_first D->H one layer 65 -> 85%; at 4 programs H->D and from 8 programs up
+            the default is as good or better, and pages of 16 tokens gain nothing). Mamba
+            states and sidecar pages (page size 1, large items) keep the default.
+        token_item_bytes: the largest host item the token variant takes.
+        token_tile_bytes, token_num_warps: the token variant's tile and warps.
     """
 
     num_programs: int = 4
@@ -164,6 +175,11 @@ class TransferKnobs:
     small_h2d_bytes: int = 8 << 20
     small_tile_bytes: int = 32768
     small_num_warps: int = 32
+    token_d2h_programs: int = 4
+    token_h2d_programs: int = 2
+    token_item_bytes: int = 8192
+    token_tile_bytes: int = 131072
+    token_num_warps: int = 32
 
     def __post_init__(self) -> None:
         for name in (
@@ -172,18 +188,33 @@ class TransferKnobs:
             "small_h2d_bytes",
             "small_tile_bytes",
             "small_num_warps",
+            "token_d2h_programs",
+            "token_h2d_programs",
+            "token_item_bytes",
+            "token_tile_bytes",
+            "token_num_warps",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name}: expected an int, got {v!r}")
         if self.num_programs < 1:
             raise ValueError(f"num_programs must be >= 1, got {self.num_programs}")
-        if self.small_h2d_bytes < 0:
-            raise ValueError(f"small_h2d_bytes must be >= 0, got {self.small_h2d_bytes}")
+        for name in (
+            "small_h2d_bytes",
+            "token_d2h_programs",
+            "token_h2d_programs",
+            "token_item_bytes",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         w = self.num_warps
         if w is not None and (isinstance(w, bool) or not isinstance(w, int)):
             raise TypeError(f"num_warps: expected an int or None, got {w!r}")
-        for tile, warps in (("tile_bytes", "warps"), ("small_tile_bytes", "small_num_warps")):
+        for tile, warps in (
+            ("tile_bytes", "warps"),
+            ("small_tile_bytes", "small_num_warps"),
+            ("token_tile_bytes", "token_num_warps"),
+        ):
             t, w = getattr(self, tile), getattr(self, warps)
             if t < 16 or t & (t - 1):
                 raise ValueError(f"{tile} must be a power of two >= 16, got {t}")
@@ -199,19 +230,38 @@ class TransferKnobs:
         return 32 if self.num_programs <= 2 else 16
 
     def small_variant(self) -> TransferKnobs:
-        """The knobs of the small host->device call variant (whose own variant is off)."""
-        return _SMALL_VARIANTS.get(self) or _SMALL_VARIANTS.setdefault(
-            self,
+        """The knobs of the small host->device call variant (whose own variants are off)."""
+        return self._variant("small", self.small_tile_bytes, self.small_num_warps)
+
+    def token_variant(self) -> TransferKnobs:
+        """The knobs of the token variant (page size 1 host pools; its own variants are off)."""
+        return self._variant("token", self.token_tile_bytes, self.token_num_warps)
+
+    def takes_token_variant(self, page_size: int, item_bytes: int, d2h: bool) -> bool:
+        """Whether a copy with this host page size and item takes the token variant."""
+        programs = self.token_d2h_programs if d2h else self.token_h2d_programs
+        return (
+            page_size == 1
+            and item_bytes <= self.token_item_bytes
+            and (self.num_programs <= programs)
+        )
+
+    def _variant(self, kind: str, tile: int, warps: int) -> TransferKnobs:
+        key = (self, kind)
+        return _VARIANTS.get(key) or _VARIANTS.setdefault(
+            key,
             replace(
                 self,
-                tile_bytes=self.small_tile_bytes,
-                num_warps=self.small_num_warps,
+                tile_bytes=tile,
+                num_warps=warps,
                 small_h2d_bytes=0,
+                token_d2h_programs=0,
+                token_h2d_programs=0,
             ),
         )
 
 
-_SMALL_VARIANTS: dict[TransferKnobs, TransferKnobs] = {}
+_VARIANTS: dict[tuple[TransferKnobs, str], TransferKnobs] = {}
 
 
 DEFAULT_KNOBS = TransferKnobs()
@@ -479,6 +529,9 @@ def _launch(
     if n_tokens == 0:
         return
     n_sel = 1 if layer is not None else dev.num_layers
+    large = knobs
+    if knobs.takes_token_variant(host.page_size, host.item_bytes, d2h):
+        large = knobs.token_variant()
     sibling = None  # the other host->device variant, compiled beside the first (see below)
     if not d2h and knobs.small_h2d_bytes:
         small = knobs.small_variant()
@@ -486,9 +539,11 @@ def _launch(
             layer is not None
             and n_tokens * dev.num_buffers * dev.item_bytes <= knobs.small_h2d_bytes
         ):
-            knobs, sibling = small, knobs
+            knobs, sibling = small, large
         else:
-            sibling = small
+            knobs, sibling = large, small
+    else:
+        knobs = large
     prep = _prepared(dev, host, tpi, d2h, knobs)
     grid0, args = _launch_args(prep, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
     compiled = prep.compiled

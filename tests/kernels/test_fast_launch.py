@@ -24,6 +24,7 @@ from tests.kernels.helpers import (
     device_bytes,
     make_device,
     make_host,
+    pages_to_slots,
     pick_pages,
 )
 
@@ -142,6 +143,77 @@ def test_small_h2d_variant_chosen_by_bytes(layout, device, monkeypatch):
     launched.clear()  # device->host always takes the default
     copy_device_to_host(dev, host, dp, hp, layer=0, index_unit="page", knobs=knobs)
     assert launched == [knobs]
+
+
+@pytest.mark.parametrize(
+    ("page", "programs", "item_limit", "want"),
+    [
+        (1, 2, 8192, {"d2h": True, "h2d": True}),
+        (1, 4, 8192, {"d2h": True, "h2d": False}),
+        (1, 8, 8192, {"d2h": False, "h2d": False}),
+        (1, 2, 16, {"d2h": False, "h2d": False}),  # items of 32 bytes: over the limit
+        (4, 2, 8192, {"d2h": False, "h2d": False}),  # pages: the default
+    ],
+)
+def test_token_variant_chosen_by_page_size_item_and_grid(
+    page, programs, item_limit, want, device, monkeypatch
+):
+    """Host pools of page size 1 with small items take the token variant up to
+    ``token_d2h_programs`` / ``token_h2d_programs`` programs; the bytes are the reference's
+    either way, every slot the call does not name untouched."""
+    item = (2, 8)  # 32-byte items, fp16
+    gen = torch.Generator().manual_seed(5)
+    dev = make_device("mha", "stacked", L, DEV_PAGES * P, item, torch.float16, device, gen)
+    host = make_host("mha", "page_first", L, HOST_PAGES * P, page, item, torch.float16, gen, CUDA)
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    knobs = TransferKnobs(
+        num_programs=programs,
+        tile_bytes=64,
+        num_warps=1,
+        small_h2d_bytes=0,
+        token_item_bytes=item_limit,
+        token_tile_bytes=256,
+        token_num_warps=2,
+    )
+    launched = []
+    args_of = kv_transfer._launch_args
+
+    def spy(prep, *a):
+        launched.append(prep.knobs)
+        return args_of(prep, *a)
+
+    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    for direction, layer in (("d2h", None), ("h2d", 1), ("d2h", 2), ("h2d", None)):
+        d2h = direction == "d2h"
+        ds = torch.randperm(DEV_PAGES * P, generator=gen)[:9].to(device)
+        hs = torch.randperm(HOST_PAGES * P, generator=gen)[:9].to(device)
+        if page > 1:  # whole pages: token slots in page-aligned runs
+            ds = pages_to_slots(pick_pages(DEV_PAGES, 2, gen), P).to(device)
+            hs = pages_to_slots(pick_pages(HOST_PAGES, 2, gen), P).to(device)
+        launched.clear()
+        if d2h:
+            copy_device_to_host(dev, host, ds, hs, layer=layer, knobs=knobs)
+        else:
+            copy_host_to_device(host, dev, hs, ds, layer=layer, knobs=knobs)
+        ref_copy_kv(ref_dev, ref_host, ds, hs, d2h=d2h, layer=layer)
+        what = f"{direction} layer {layer}"
+        assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
+        assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
+        assert launched[0] == (knobs.token_variant() if want[direction] else knobs), what
+    v = knobs.token_variant()
+    assert (v.tile_bytes, v.num_warps, v.token_d2h_programs, v.token_h2d_programs) == (256, 2, 0, 0)
+    assert v.num_programs == programs and knobs.token_variant() is v
+
+
+def test_token_variant_knobs_are_checked():
+    with pytest.raises(ValueError, match="token_tile_bytes"):
+        TransferKnobs(token_tile_bytes=96)
+    with pytest.raises(ValueError, match="token_num_warps"):
+        TransferKnobs(token_num_warps=64)
+    with pytest.raises(ValueError, match="token_h2d_programs"):
+        TransferKnobs(token_h2d_programs=-1)
+    with pytest.raises(TypeError, match="token_item_bytes"):
+        TransferKnobs(token_item_bytes=2.0)
 
 
 def test_default_warps_follow_the_grid():
