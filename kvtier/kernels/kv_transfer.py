@@ -85,23 +85,33 @@ def _kv_copy_kernel(
     TABLE_SCALE: tl.constexpr,  # vectors per table unit
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    LAYER_ROWS: tl.constexpr,
 ):
     # A tile is BLOCK_R rows of one (buffer, layer); row r is chunk r % CHUNKS of logical token
     # r // CHUNKS, BLOCK_W words wide. Items whose size is not a power of two are cut into equal
     # power-of-two chunks rather than padded, so no lane is masked off for width.
+    # LAYER_ROWS (host layouts that keep a token's layers side by side, all-layer calls): a tile
+    # is BLOCK_R rows of one buffer, row r chunk r % CHUNKS of layer (r // CHUNKS) % n_sel of
+    # token r // (CHUNKS * n_sel), so the host side of a tile is one contiguous run per token
+    # instead of a 2 KiB piece every L items.
     i_prog = tl.program_id(0)
     n_prog = tl.num_programs(0)
     o_r = tl.arange(0, BLOCK_R)
     o_w = tl.arange(0, BLOCK_W)
     for i_tile in range(i_prog, num_tiles, n_prog):
         i_t = i_tile % n_tiles_r
-        i_bl = (i_tile // n_tiles_r).to(tl.int64)
-        i_b = i_bl // n_sel_layers
-        i_l = layer_start + i_bl % n_sel_layers
-
         o_row = i_t * BLOCK_R + o_r
         m_row = o_row < n_rows
-        o_k = o_row // CHUNKS
+        if LAYER_ROWS:
+            i_b = (i_tile // n_tiles_r).to(tl.int64)
+            o_kl = o_row // CHUNKS
+            o_k = o_kl // n_sel_layers
+            i_l = layer_start + (o_kl % n_sel_layers).to(tl.int64)
+        else:
+            i_bl = (i_tile // n_tiles_r).to(tl.int64)
+            i_b = i_bl // n_sel_layers
+            i_l = layer_start + i_bl % n_sel_layers
+            o_k = o_row // CHUNKS
         o_c = (o_row % CHUNKS).to(tl.int64)
         if TOKENS_PER_INDEX == 1:
             b_dev = tl.load(dev_idx_ptr + o_k, mask=m_row, other=-1)
@@ -407,6 +417,7 @@ class _Prepared:
     knobs: TransferKnobs  # the variant's knobs (for the grid cap)
     meta: dict  # the kernel's constexprs and num_warps
     consts: tuple  # the constexprs' values in signature order (the compiled launcher's tail)
+    layer_rows: bool  # rows span the selected layers (LAYER_ROWS)
     compiled: object = None  # the compiled kernel, once a launch through the JIT has made it
 
 
@@ -415,9 +426,14 @@ _PREPARED_MAX = 256  # pools x directions x scopes of a process: far below this
 
 
 def _prepared(
-    dev: DeviceBuffers, host: HostBuffer, tpi: int, d2h: bool, knobs: TransferKnobs
+    dev: DeviceBuffers,
+    host: HostBuffer,
+    tpi: int,
+    d2h: bool,
+    knobs: TransferKnobs,
+    layer_rows: bool = False,
 ) -> _Prepared:
-    key = (id(dev), id(host), tpi, d2h, knobs)
+    key = (id(dev), id(host), tpi, d2h, knobs, layer_rows)
     hit = _PREPARED.get(key)
     if hit is not None and hit.dev() is dev and hit.host() is host:
         return hit
@@ -461,7 +477,9 @@ def _prepared(
             dev.table_unit // w,
             block_r,
             block_w,
+            layer_rows,
         ),
+        layer_rows=layer_rows,
         meta=dict(
             D2H=d2h,
             TOKENS_PER_INDEX=tpi,
@@ -470,6 +488,7 @@ def _prepared(
             TABLE_SCALE=dev.table_unit // w,
             BLOCK_R=block_r,
             BLOCK_W=block_w,
+            LAYER_ROWS=layer_rows,
             num_warps=knobs.warps,
         ),
     )
@@ -544,7 +563,11 @@ def _launch(
             knobs, sibling = large, small
     else:
         knobs = large
-    prep = _prepared(dev, host, tpi, d2h, knobs)
+    # A token's layers side by side on the host (page_first, Mamba slots): an all-layer call
+    # walks each token's layers in its rows.
+    adjacent = host.num_layers > 1 and host.stride_layer == host.item_bytes
+    layer_rows = n_sel > 1 and adjacent
+    prep = _prepared(dev, host, tpi, d2h, knobs, layer_rows)
     grid0, args = _launch_args(prep, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
     compiled = prep.compiled
     if (
@@ -583,13 +606,16 @@ def _launch(
         and hasattr(kernel, "packed_metadata")
     ):
         prep.compiled = kernel
-        if sibling is not None:
-            # A cache compiles its variants in ``warmup`` with small calls; compile the
-            # large-call variant too (no launch), so no later request waits for a compile.
-            other = _prepared(dev, host, tpi, d2h, sibling)
-            if other.compiled is None:
-                g, a = _launch_args(other, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
-                other.compiled = _kv_copy_kernel.warmup(*a, grid=(g,), **other.meta)
+        # A cache compiles its variants in ``warmup`` with small calls; compile every other
+        # variant this pair and direction may take too (no launch): the other host->device
+        # size, and where a token's layers are adjacent the other row order (one-layer and
+        # all-layer calls). No later request waits for a compile.
+        for kn in (knobs,) if sibling is None else (knobs, sibling):
+            for rows in (False, True) if adjacent else (layer_rows,):
+                other = _prepared(dev, host, tpi, d2h, kn, rows)
+                if other.compiled is None:
+                    g, a = _launch_args(other, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
+                    other.compiled = _kv_copy_kernel.warmup(*a, grid=(g,), **other.meta)
 
 
 def _launch_args(
@@ -604,9 +630,14 @@ def _launch_args(
 ) -> tuple[int, tuple]:
     """The grid and the kernel's runtime arguments in its signature's order (``n_rows`` at
     index 5, ``num_tiles`` last)."""
-    n_rows = n_tokens * prep.chunks
-    n_tiles_r = (n_rows + prep.block_r - 1) // prep.block_r
-    num_tiles = dev.num_buffers * n_sel * n_tiles_r
+    if prep.layer_rows:
+        n_rows = n_tokens * prep.chunks * n_sel
+        n_tiles_r = (n_rows + prep.block_r - 1) // prep.block_r
+        num_tiles = dev.num_buffers * n_tiles_r
+    else:
+        n_rows = n_tokens * prep.chunks
+        n_tiles_r = (n_rows + prep.block_r - 1) // prep.block_r
+        num_tiles = dev.num_buffers * n_sel * n_tiles_r
     args = (
         prep.dev_words,
         dev.table,

@@ -105,12 +105,14 @@ def test_direct_launch_matches_reference(layout, direction, item, monkeypatch):
         assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
         assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
         entries = _entries(dev, host)
-        assert len(entries) == (1 if d2h else 2), what
+        # host->device: two sizes; page_first: two row orders (one-layer, all-layer calls)
+        want = (1 if d2h else 2) * (2 if layout == "page_first" else 1)
+        assert len(entries) == want, what
         assert all(e.compiled is not None for e in entries), what
     if not d2h:
         tiles = sorted(e.meta["num_warps"] for e in _entries(dev, host))  # the two variants
-        assert tiles == [1, 2], tiles
-    want = 1 if d2h else 2  # host->device: the first call's launch + the other's compile
+        assert tiles == sorted([1, 2] * (want // 2)), tiles
+    # The first call's launch and the other variants' compiles, nothing later.
     assert jit[0] == want, f"{jit[0]} calls went through the JIT, expected {want}"
 
 
@@ -203,6 +205,41 @@ def test_token_variant_chosen_by_page_size_item_and_grid(
     v = knobs.token_variant()
     assert (v.tile_bytes, v.num_warps, v.token_d2h_programs, v.token_h2d_programs) == (256, 2, 0, 0)
     assert v.num_programs == programs and knobs.token_variant() is v
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
+    layout, device, monkeypatch
+):
+    """All-layer calls into a host layout that keeps each token's layers side by side
+    (page_first) walk each token's layers in a tile's rows (``LAYER_ROWS``); one-layer calls
+    and other layouts keep one (buffer, layer) per tile. Bit-exact against the reference."""
+    item = (2, 8)
+    dev, host, gen = _setup(layout, item, 13, device)
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    knobs = _tiny_knobs(item, tile_bytes=64, small_pages=0)  # 2 rows a tile, 3 layers: straddles
+    taken = []
+    args_of = kv_transfer._launch_args
+
+    def spy(prep, *a):
+        taken.append(prep.layer_rows)
+        return args_of(prep, *a)
+
+    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    for direction, layer in (("d2h", None), ("h2d", None), ("d2h", 1), ("h2d", 2)):
+        d2h = direction == "d2h"
+        dp = pick_pages(DEV_PAGES, 3, gen).to(device)
+        hp = pick_pages(HOST_PAGES, 3, gen).to(device)
+        taken.clear()
+        if d2h:
+            copy_device_to_host(dev, host, dp, hp, layer=layer, index_unit="page", knobs=knobs)
+        else:
+            copy_host_to_device(host, dev, hp, dp, layer=layer, index_unit="page", knobs=knobs)
+        ref_copy_kv(ref_dev, ref_host, dp, hp, d2h=d2h, layer=layer, index_unit="page")
+        what = f"{layout} {direction} layer {layer}"
+        assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
+        assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
+        assert taken[0] == (layout == "page_first" and layer is None), what
 
 
 def test_token_variant_knobs_are_checked():
