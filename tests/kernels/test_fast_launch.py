@@ -63,6 +63,7 @@ def _tiny_knobs(item: tuple[int, int], tile_bytes: int, small_pages: int) -> Tra
         small_h2d_bytes=small_pages * page_bytes,
         small_tile_bytes=32,
         small_num_warps=2,
+        layer_rows_programs=1,  # page_first all-layer calls walk layers in rows here
     )
 
 
@@ -207,17 +208,23 @@ def test_token_variant_chosen_by_page_size_item_and_grid(
     assert v.num_programs == programs and knobs.token_variant() is v
 
 
+@pytest.mark.parametrize("rows_from", [1, 2, 3, 0])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
-    layout, device, monkeypatch
+    layout, rows_from, device, monkeypatch
 ):
     """All-layer calls into a host layout that keeps each token's layers side by side
-    (page_first) walk each token's layers in a tile's rows (``LAYER_ROWS``); one-layer calls
-    and other layouts keep one (buffer, layer) per tile. Bit-exact against the reference."""
+    (page_first) walk each token's layers in a tile's rows (``LAYER_ROWS``) on at least
+    ``layer_rows_programs`` programs (2 here; 0: never); one-layer calls and other layouts keep
+    one (buffer, layer) per tile. Bit-exact against the reference either way."""
     item = (2, 8)
     dev, host, gen = _setup(layout, item, 13, device)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
-    knobs = _tiny_knobs(item, tile_bytes=64, small_pages=0)  # 2 rows a tile, 3 layers: straddles
+    knobs = dataclasses.replace(
+        _tiny_knobs(item, tile_bytes=64, small_pages=0),  # 2 rows a tile, 3 layers: straddles
+        layer_rows_programs=rows_from,
+    )
+    on = layout == "page_first" and 0 < rows_from <= knobs.num_programs
     taken = []
     args_of = kv_transfer._launch_args
 
@@ -239,7 +246,7 @@ def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
         what = f"{layout} {direction} layer {layer}"
         assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
         assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
-        assert taken[0] == (layout == "page_first" and layer is None), what
+        assert taken[0] == (on and layer is None), what
 
 
 def test_token_variant_knobs_are_checked():
@@ -251,6 +258,8 @@ def test_token_variant_knobs_are_checked():
         TransferKnobs(token_h2d_programs=-1)
     with pytest.raises(TypeError, match="token_item_bytes"):
         TransferKnobs(token_item_bytes=2.0)
+    with pytest.raises(ValueError, match="layer_rows_programs"):
+        TransferKnobs(layer_rows_programs=-4)
 
 
 def test_default_warps_follow_the_grid():
