@@ -104,9 +104,16 @@ TOKEN_CASES = tuple(
 )
 
 
-def sweep(rounds: int, cases: tuple, programs_list: tuple, tiles: tuple) -> list[dict]:
+# page_first all-layer device->host, for the layer-rows sweep (rows forced on at every grid).
+ROWS_CASES = tuple(("page_first", "d2h", None, P, (None, None, None)) for P in (16, 1))
+
+
+def sweep(
+    rounds: int, cases: tuple, programs_list: tuple, tiles: tuple, rows: bool = False
+) -> list[dict]:
     """Cases over programs x tile bytes x warps: where the defaults stand against the best
-    knobs of the grid (% of the copy engine, best of ``rounds`` medians)."""
+    knobs of the grid (% of the copy engine, best of ``rounds`` medians). ``rows``: layer rows
+    on at every grid size (``layer_rows_programs=1``)."""
     dev, _stacks, cfg = make_pools("llama3-8b")
     ceiling = Ceiling()
     gen = torch.Generator().manual_seed(1)
@@ -121,7 +128,11 @@ def sweep(rounds: int, cases: tuple, programs_list: tuple, tiles: tuple) -> list
             for tile in tiles:
                 for warps in (8, 16, 32):
                     k = TransferKnobs(
-                        programs, tile_bytes=tile, num_warps=warps, **NO_TOKEN_VARIANT
+                        programs,
+                        tile_bytes=tile,
+                        num_warps=warps,
+                        layer_rows_programs=1 if rows else 0,
+                        **NO_TOKEN_VARIANT,
                     )
                     if direction == "d2h":
 
@@ -220,9 +231,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="best of this many medians per cell")
     ap.add_argument(
         "--sweep",
-        choices=("pages", "tokens"),
-        help="instead: tile bytes x warps over the page cases at 2 and 4 programs, or over "
-        "page-size-1 cases at 2, 4 and 8 programs",
+        choices=("pages", "tokens", "rows"),
+        help="instead: tile bytes x warps over the page cases at 2 and 4 programs, over "
+        "page-size-1 cases at 2, 4 and 8 programs, or over page_first all-layer D->H with "
+        "layer rows forced on at 1, 2 and 4 programs (the others: layer rows off)",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -231,8 +243,12 @@ def main() -> None:
     if args.sweep:
         if args.sweep == "pages":
             rows = sweep(args.rounds, CASES, (2, 4), (16384, 32768, 65536, 131072))
-        else:
+        elif args.sweep == "tokens":
             rows = sweep(args.rounds, TOKEN_CASES, (2, 4, 8), (65536, 131072, 262144))
+        else:
+            rows = sweep(
+                args.rounds, ROWS_CASES, (1, 2, 4), (32768, 65536, 131072, 262144), rows=True
+            )
         if args.out:
             write_sweep(rows, environment(), args.out, args.sweep)
         return
