@@ -117,7 +117,7 @@ def sweep(
     dev, _stacks, cfg = make_pools("llama3-8b")
     ceiling = Ceiling()
     gen = torch.Generator().manual_seed(1)
-    rows = []
+    out = []
     for layout, direction, layer, P, _sgl in cases:
         host = make_host(cfg, layout, P)
         didx, hidx = random_slots(P, gen), random_slots(P, gen)
@@ -148,7 +148,7 @@ def sweep(
                             )
 
                     best = max(gbs(nbytes, median_ms(fn, rep_ms=60)) for _ in range(rounds))
-                    rows.append(
+                    out.append(
                         {
                             "layout": layout,
                             "direction": direction,
@@ -163,10 +163,10 @@ def sweep(
                     print(
                         f"sweep {layout:11s} {direction} layer={layer} P={P:<2d} "
                         f"programs={programs} tile={tile >> 10}K warps={warps}: "
-                        f"{rows[-1]['pct']:5.1f}%",
+                        f"{out[-1]['pct']:5.1f}%",
                         flush=True,
                     )
-    return rows
+    return out
 
 
 def write_sweep(rows: list[dict], info: dict, out: str, kind: str) -> None:

@@ -3,8 +3,9 @@
 One kernel serves every case: MHA (K and V buffers) and MLA (one latent buffer), one layer or all
 layers, every host layout, both directions, and both device forms (stacked storage or per-layer
 tensors owned by the runner). Work is cut into tiles of ``BLOCK_R`` rows x ``BLOCK_W`` words of
-one (buffer, layer), a row being one power-of-two chunk of one token's item; a grid of ``num_programs`` programs walks the tiles grid-stride, so a transfer
-occupies a bounded number of SMs whatever its size. A tile's loads are all issued before its
+one (buffer, layer), a row being one power-of-two chunk of one token's item (with layer rows, of
+one buffer, a row one chunk of one (token, layer) item, layers inner); a grid of
+``num_programs`` programs walks the tiles grid-stride, so a transfer occupies a bounded number of SMs whatever its size. A tile's loads are all issued before its
 stores: reading host memory is latency-bound and wants many bytes in flight per program.
 
 Words are the widest unsigned type that every address and size allows, and offsets carry their
@@ -66,7 +67,7 @@ def _kv_copy_kernel(
     host_ptr,  # word*: the host tensor
     dev_idx_ptr,  # int64 [n_idx]
     host_idx_ptr,  # int64 [n_idx]
-    n_rows,  # tokens x chunks per item
+    n_rows,  # tokens x chunks per item (x selected layers with LAYER_ROWS)
     num_layers,
     layer_start,
     n_sel_layers,
@@ -559,7 +560,7 @@ def _launch(
     large = knobs
     if knobs.takes_token_variant(host.page_size, host.item_bytes, d2h):
         large = knobs.token_variant()
-    sibling = None  # the other host->device variant, compiled beside the first (see below)
+    sibling = small = None  # the other host->device variant, compiled beside the first
     if not d2h and knobs.small_h2d_bytes:
         small = knobs.small_variant()
         if (
@@ -580,6 +581,10 @@ def _launch(
     )
     layer_rows = n_sel > 1 and adjacent
     prep = _prepared(dev, host, tpi, d2h, knobs, layer_rows)
+    if layer_rows and n_tokens * prep.chunks * n_sel > _I32_MAX:
+        # The tile index math is i32: rows past 2**31 would wrap. Such a call (millions of
+        # tokens) takes one (buffer, layer) per tile, whose rows stay in range.
+        prep = _prepared(dev, host, tpi, d2h, knobs, False)
     grid0, args = _launch_args(prep, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
     compiled = prep.compiled
     if (
@@ -623,7 +628,8 @@ def _launch(
         # size, and where a token's layers are adjacent the other row order (one-layer and
         # all-layer calls). No later request waits for a compile.
         for kn in (knobs,) if sibling is None else (knobs, sibling):
-            for rows in (False, True) if adjacent else (layer_rows,):
+            # The small variant serves one-layer calls only: never layer rows.
+            for rows in (False, True) if adjacent and kn is not small else (False,):
                 other = _prepared(dev, host, tpi, d2h, kn, rows)
                 if other.compiled is None:
                     g, a = _launch_args(other, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)

@@ -106,13 +106,14 @@ def test_direct_launch_matches_reference(layout, direction, item, monkeypatch):
         assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
         assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
         entries = _entries(dev, host)
-        # host->device: two sizes; page_first: two row orders (one-layer, all-layer calls)
-        want = (1 if d2h else 2) * (2 if layout == "page_first" else 1)
+        # host->device: two sizes; page_first: two row orders for the large size (one-layer
+        # and all-layer calls; the small size serves one-layer calls only)
+        want = (1 if d2h else 2) + (layout == "page_first")
         assert len(entries) == want, what
         assert all(e.compiled is not None for e in entries), what
     if not d2h:
         tiles = sorted(e.meta["num_warps"] for e in _entries(dev, host))  # the two variants
-        assert tiles == sorted([1, 2] * (want // 2)), tiles
+        assert tiles == ([1, 1, 2] if layout == "page_first" else [1, 2]), tiles
     # The first call's launch and the other variants' compiles, nothing later.
     assert jit[0] == want, f"{jit[0]} calls went through the JIT, expected {want}"
 
@@ -247,6 +248,34 @@ def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
         assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
         assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
         assert taken[0] == (on and layer is None), what
+
+
+def test_layer_rows_give_way_where_rows_would_pass_int32(device, monkeypatch):
+    """The kernel's tile math is i32: an all-layer call whose rows (tokens x chunks x layers)
+    would pass it takes one (buffer, layer) per tile instead (here the limit is lowered to
+    what a small call crosses). Bit-exact either way."""
+    item = (2, 8)
+    dev, host, gen = _setup("page_first", item, 17, device)
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    knobs = _tiny_knobs(item, tile_bytes=64, small_pages=0)
+    taken = []
+    args_of = kv_transfer._launch_args
+
+    def spy(prep, *a):
+        taken.append(prep.layer_rows)
+        return args_of(prep, *a)
+
+    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    rows_per_page = P * L  # one chunk per 32-byte item
+    monkeypatch.setattr(kv_transfer, "_I32_MAX", 2 * rows_per_page)
+    for n, want in ((2, True), (3, False)):
+        dp = pick_pages(DEV_PAGES, n, gen).to(device)
+        hp = pick_pages(HOST_PAGES, n, gen).to(device)
+        taken.clear()
+        copy_device_to_host(dev, host, dp, hp, layer=None, index_unit="page", knobs=knobs)
+        ref_copy_kv(ref_dev, ref_host, dp, hp, d2h=True, layer=None, index_unit="page")
+        assert_bytes_equal(host.tensor, ref_host.tensor, f"{n} pages")
+        assert taken[0] is want, n
 
 
 def test_token_variant_knobs_are_checked():
