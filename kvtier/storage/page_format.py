@@ -351,18 +351,18 @@ class PageViews:
         out: list[memoryview] = []
         ptrs, sizes, region, regions = self._ptrs, self._sizes, self._region, self._regions
         r0 = start = end = -1
-        for i in pages:
-            for k in (i,) if self._single else self._parts(i):
-                a, n, r = ptrs[k], sizes[k], region[k]
-                if not n:
-                    continue
-                if a == end and r == r0:
-                    end += n
-                    continue
-                if start >= 0:
-                    base, view = regions[r0]
-                    out.append(view[start - base : end - base])
-                r0, start, end = r, a, a + n
+        parts = pages if self._single else (k for i in pages for k in self._parts(i))
+        for k in parts:
+            a, n, r = ptrs[k], sizes[k], region[k]
+            if not n:
+                continue
+            if a == end and r == r0:
+                end += n
+                continue
+            if start >= 0:
+                base, view = regions[r0]
+                out.append(view[start - base : end - base])
+            r0, start, end = r, a, a + n
         if start >= 0:
             base, view = regions[r0]
             out.append(view[start - base : end - base])
@@ -384,12 +384,20 @@ class PageViews:
         return payload_checksum(self[i])
 
     def checksums(self, pages: Iterable[int]) -> list[tuple[int, int]]:
-        """``checksum`` of each of ``pages``, in a tight loop (a run's pages at once)."""
-        if _DEFAULT == _XXH3 and _NOGIL is not None and self._single:
-            ptrs, sizes, digest = self._ptrs, self._sizes, _NOGIL
-            return [
-                (_XXH3, digest(ptrs[i], sizes[i])) if sizes[i] else self.checksum(i) for i in pages
-            ]
+        """``checksum`` of each of ``pages``, in a tight loop (a run's pages at once). One-part
+        pages go to the binding as views: a call costs ~0.2 us against ~0.8 through ``ctypes``.
+        The binding keeps the GIL for inputs up to 64 KiB, which measured cheaper than the
+        ``ctypes`` call it saves (dev VM, 64 KiB pages, one IO thread: a warm get 0.6-0.9 us
+        less CPU per page and 2-4% more GB/s; puts within the noise)."""
+        if _DEFAULT == _XXH3 and self._single:
+            ptrs, sizes, region, regions = self._ptrs, self._sizes, self._region, self._regions
+            digest = xxhash.xxh3_64_intdigest
+            out = []
+            for i in pages:
+                base, view = regions[region[i]]
+                start = ptrs[i] - base
+                out.append((_XXH3, digest(view[start : start + sizes[i]])))
+            return out
         return [self.checksum(i) for i in pages]
 
     def matches(self, i: int, algorithm: int, checksum: int) -> bool:

@@ -118,11 +118,19 @@ def test_checksum_by_address_equals_payload_checksum() -> None:
         (pool[9:9], pool[10:20]),  # an empty part first
     ]
     views = PageViews(pages)
-    for i, parts in enumerate(pages):
-        want = payload_checksum([buffer_of(p) for p in parts])
+    wants = [payload_checksum([buffer_of(p) for p in parts]) for parts in pages]
+    for i, want in enumerate(wants):
         assert views.checksum(i) == want, f"page {i}"
         assert views.matches(i, *want), f"page {i}"
         assert not views.matches(i, want[0], want[1] ^ 1), f"page {i}"
+    assert views.checksums([4, 0, 2]) == [wants[4], wants[0], wants[2]]
+    # One part each (the run path of the binding on views), over two storages, one page empty.
+    own = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g)
+    singles = [(pool[0:65536],), (own[3:4003],), (pool[5:5],), (pool[7 : 7 + 1000],)]
+    views = PageViews(singles)
+    want = [payload_checksum([buffer_of(p) for p in parts]) for parts in singles]
+    assert views.checksums(range(4)) == want
+    assert views.checksums([3, 1]) == [want[3], want[1]]
 
 
 class _Keys(StorageBackend):
