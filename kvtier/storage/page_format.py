@@ -256,9 +256,10 @@ class PageViews:
     case) every view is a slice of one memoryview of that storage; other parts get a view of
     their own storage. Pages next to each other in memory come out as one view (``iovecs``), so a
     run of a host pool's consecutive pages is one iovec, and a page is hashed by its address
-    (``checksum``) with no view at all. The views share the caller's memory and are valid while
-    the caller holds its tensors: for the duration of the call that passes them in. Several
-    threads may use one ``PageViews``.
+    (``checksum``) with no view at all, or a run's one-part pages through a view each
+    (``checksums``). The views share the caller's memory and are valid while the caller holds
+    its tensors: for the duration of the call that passes them in. Several threads may use one
+    ``PageViews``.
     """
 
     def __init__(self, pages: Sequence[Sequence[torch.Tensor]]) -> None:
