@@ -73,7 +73,9 @@ try:
 
         Why: the binding keeps the GIL for inputs up to 64 KiB, so two threads cannot checksum
         64 KiB pages at once; through ``ctypes`` one thread's checksum overlaps the other's
-        Python work (a page costs a few hundred ns more to call)."""
+        Python work (a page costs a few hundred ns more to call). A run's one-part pages
+        (``PageViews.checksums``) go to the binding all the same: there the call measured
+        dearer than the GIL hold."""
         try:
             fn = ctypes.CDLL(xxhash._xxhash.__file__).XXH3_64bits_dispatch
         except (OSError, AttributeError):
