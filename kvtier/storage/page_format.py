@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import operator
 import struct
 import threading
 import zlib
@@ -280,10 +281,11 @@ class PageViews:
         self._region: list[int] = []
         if flat:
             lo, hi = self._add_region(flat[0].untyped_storage())
-            inside = [n == 0 or (lo <= a and a + n <= hi) for a, n in zip(self._ptrs, self._sizes)]
-            if all(inside):
-                self._region = [0] * len(flat)
+            ptrs, sizes = self._ptrs, self._sizes
+            if lo <= min(ptrs) and max(map(operator.add, ptrs, sizes)) <= hi:
+                self._region = [0] * len(flat)  # all inside: the common case, in C loops
             else:
+                inside = [n == 0 or (lo <= a and a + n <= hi) for a, n in zip(ptrs, sizes)]
                 known = {lo: 0}
                 for k, p in enumerate(flat):
                     if inside[k]:

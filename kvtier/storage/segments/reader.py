@@ -35,7 +35,7 @@ class _Plan(NamedTuple):
     """A batch's records, columns indexed by page (``zip(*locs)``: no attribute access per page),
     and ``order``: the pages to read, sorted by segment and offset. ``sums``: each record's
     (algorithm, checksum), as ``PageViews.checksums`` gives a page's; ``trusting``: whether any
-    record read is trusted (``verify="once"`` only)."""
+    record read is trusted (``verify="once"`` only); ``used``: the segments read."""
 
     order: list[int]
     segs: Sequence[Segment]
@@ -44,6 +44,7 @@ class _Plan(NamedTuple):
     trusted: Sequence[bool]
     sums: Sequence[tuple[int, int]]
     trusting: bool
+    used: set[Segment]
 
 
 def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
@@ -69,7 +70,7 @@ def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
         )
     if not order:
         return None
-    used = {segs[i] for i in order}
+    used = set(segs) if len(order) == n else {segs[i] for i in order}  # every page read: all
     if len(used) == 1:
         order.sort(key=offsets.__getitem__)  # one segment: linear when already in order
     else:  # (segment, offset) as one int: still linear for a batch written in order
@@ -77,7 +78,7 @@ def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
         where = [rank.get(seg, 0) | offset for seg, offset in zip(segs, offsets)]
         order.sort(key=where.__getitem__)
     return _Plan(
-        order, segs, offsets, sizes, trusted, list(zip(algorithms, checksums)), any(trusted)
+        order, segs, offsets, sizes, trusted, list(zip(algorithms, checksums)), any(trusted), used
     )
 
 
@@ -112,7 +113,7 @@ class Reader:
             plan = _plan(locs, lengths)
             fds: dict[Segment, int] = {}
             if plan is not None:
-                for seg in {plan.segs[i] for i in plan.order}:
+                for seg in plan.used:
                     fds[seg] = index.pin_locked(seg)
         out = [False] * len(keys)
         bad: list[int] = []
