@@ -1,8 +1,9 @@
 """The segment store's per-batch shortcuts against the per-item forms they replace.
 
 Each shortcut (journal entries packed as one numpy record array, the closed-form layout of
-records of one size, page views merged by address, hashing by address, the batch key check) must
-give exactly what the per-item code gives, including where it falls back to it.
+records of one size, page views merged by address, hashing a run's pages at once, the batch key
+check, a read batch's chunks found adjacent at once) must give exactly what the per-item code
+gives, including where it falls back to it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from kvtier.storage import Namespace, page_hashes
 from kvtier.storage.base import PoolTransfer, StorageBackend
 from kvtier.storage.page_format import PageViews, buffer_of, payload_checksum
 from kvtier.storage.segments.format import Entry, encode_entries, encode_entry, parse_entries
+from kvtier.storage.segments.index import Loc, Segment
 from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES
+from kvtier.storage.segments.reader import _adjacent, _adjacent_chunks, _chunks, _plan
 from kvtier.storage.segments.writer import layout
 
 NS = Namespace("test-model", "bfloat16", 4, "page_first")
@@ -118,11 +121,19 @@ def test_checksum_by_address_equals_payload_checksum() -> None:
         (pool[9:9], pool[10:20]),  # an empty part first
     ]
     views = PageViews(pages)
-    for i, parts in enumerate(pages):
-        want = payload_checksum([buffer_of(p) for p in parts])
+    wants = [payload_checksum([buffer_of(p) for p in parts]) for parts in pages]
+    for i, want in enumerate(wants):
         assert views.checksum(i) == want, f"page {i}"
         assert views.matches(i, *want), f"page {i}"
         assert not views.matches(i, want[0], want[1] ^ 1), f"page {i}"
+    assert views.checksums([4, 0, 2]) == [wants[4], wants[0], wants[2]]
+    # One part each (the run path of the binding on views), over two storages, one page empty.
+    own = torch.randint(0, 256, (5000,), dtype=torch.uint8, generator=g)
+    singles = [(pool[0:65536],), (own[3:4003],), (pool[5:5],), (pool[7 : 7 + 1000],)]
+    views = PageViews(singles)
+    want = [payload_checksum([buffer_of(p) for p in parts]) for parts in singles]
+    assert views.checksums(range(4)) == want
+    assert views.checksums([3, 1]) == [want[3], want[1]]
 
 
 class _Keys(StorageBackend):
@@ -165,3 +176,44 @@ def test_batch_key_check_fails_exactly_the_bad_pages(batch: list[str], bad: set[
     for h, k in zip(batch, names):
         if k is not None:
             assert k == f"{h}.kv.r0"
+
+
+def _loc(seg: Segment, offset: int, length: int, trusted: bool = False) -> Loc:
+    return Loc(seg, offset, length, 0, 0, trusted, 1, 0)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_adjacent_chunks_equal_the_chunk_by_chunk_check(seed: int) -> None:
+    """Batches written together (back to back in one segment) and every way they can fail to
+    be: a gap, a key read twice, a second segment, a record larger than a run, pages of many
+    parts, records of mixed sizes."""
+    rng = random.Random(seed)
+    segs = [Segment(f"1-0000000{k}-00000001", "w", 1, -1, None) for k in range(2)]
+    n = rng.randrange(1, 200)
+    size = rng.choice((4096, 65536, RUN_BYTES, RUN_BYTES + 1))
+    lengths = [size] * n
+    if rng.random() < 0.2:
+        lengths = [rng.choice((4096, 33 << 10, 65536)) for _ in range(n)]
+    offsets = [0]
+    for length in lengths[:-1]:
+        offsets.append(offsets[-1] + length)
+    locs = [_loc(segs[0], o, ln, trusted=rng.random() < 0.1) for o, ln in zip(offsets, lengths)]
+    damage = rng.choice(("none", "gap", "twice", "segment", "none"))
+    k = rng.randrange(n)
+    if damage == "gap":
+        for i in range(k, n):
+            locs[i] = locs[i]._replace(offset=locs[i].offset + 4096)
+    elif damage == "twice" and n > 1:
+        locs[k] = locs[k - 1 if k else 1]
+        lengths[k] = locs[k].length
+    elif damage == "segment":
+        for i in range(k, n):
+            locs[i] = locs[i]._replace(seg=segs[1])
+    rng.shuffle(order := list(range(n)))  # the caller's order need not be the file's
+    locs, lengths = [locs[i] for i in order], [lengths[i] for i in order]
+    plan = _plan(locs, lengths)  # type: ignore[arg-type]
+    assert plan is not None
+    counts = [rng.choice((1, 1, 2, IOV_MAX // 4, IOV_MAX))] * n
+    bounds = _chunks(plan.order, lengths)
+    want = [_adjacent(plan, lo, hi, counts) for lo, hi in zip(bounds, bounds[1:])]
+    assert _adjacent_chunks(plan, bounds, counts) == want, f"seed {seed}: {damage} at {k}"

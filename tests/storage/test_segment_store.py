@@ -223,6 +223,27 @@ def test_flipped_byte_is_a_counted_miss_and_the_batch_is_served(root: Path, wher
     assert put(b, H[1:2]) == [True] and served(b, H[:3]) == [True] * 3, "and is written anew"
 
 
+@pytest.mark.parametrize("verify", ["always", "once"])
+def test_flipped_bytes_in_a_long_batch_fail_their_pages_only(root: Path, verify: str) -> None:
+    """A batch of several read chunks (one ``preadv`` each, hashed at once): a flipped byte in a
+    record fails that page only; the rest of its chunk and the other chunks are served. Read by
+    another instance, which trusts nothing it has not verified (``verify="once"`` too)."""
+    hashes = page_hashes(range(4 * 200), NS)  # 4 KiB pages: 64 per chunk
+    w = create_backend("file", root=root)
+    put(w, hashes)
+    bad = {5, 130, 131, 199}
+    spans = {i: w.locate(f"{hashes[i]}.kv.r0") for i in bad}
+    w.close()
+    for i, span in spans.items():
+        assert span is not None
+        flip(span.path, span.offset + i % PAGE)
+    b = create_backend("file", root=root, verify=verify)
+    want = [i not in bad for i in range(200)]
+    assert served(b, hashes) == want
+    assert served(b, hashes) == want, "served again (verify='once': trusted now)"
+    assert snapshot(b)["checksum_miss_pages"] == len(bad), "each bad record counted once"
+
+
 def test_a_record_that_verified_once_is_verified_again(root: Path) -> None:
     """The verify rule is 'always': even the writer's own, already-read record."""
     b = create_backend("file", root=root)

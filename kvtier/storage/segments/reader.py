@@ -14,7 +14,9 @@ this process did not see written completely).
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -31,15 +33,18 @@ log = logging.getLogger(__name__)
 
 class _Plan(NamedTuple):
     """A batch's records, columns indexed by page (``zip(*locs)``: no attribute access per page),
-    and ``order``: the pages to read, sorted by segment and offset."""
+    and ``order``: the pages to read, sorted by segment and offset. ``sums``: each record's
+    (algorithm, checksum), as ``PageViews.checksums`` gives a page's; ``trusting``: whether any
+    record read is trusted (``verify="once"`` only); ``used``: the segments read."""
 
     order: list[int]
     segs: Sequence[Segment]
     offsets: Sequence[int]
     lengths: Sequence[int]
     trusted: Sequence[bool]
-    algorithms: Sequence[int]
-    checksums: Sequence[int]
+    sums: Sequence[tuple[int, int]]
+    trusting: bool
+    used: set[Segment]
 
 
 def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
@@ -65,14 +70,16 @@ def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
         )
     if not order:
         return None
-    used = {segs[i] for i in order}
+    used = set(segs) if len(order) == n else {segs[i] for i in order}  # every page read: all
     if len(used) == 1:
         order.sort(key=offsets.__getitem__)  # one segment: linear when already in order
     else:  # (segment, offset) as one int: still linear for a batch written in order
         rank = {seg: r << 48 for r, seg in enumerate(sorted(used, key=lambda seg: seg.stem))}
         where = [rank.get(seg, 0) | offset for seg, offset in zip(segs, offsets)]
         order.sort(key=where.__getitem__)
-    return _Plan(order, segs, offsets, sizes, trusted, algorithms, checksums)
+    return _Plan(
+        order, segs, offsets, sizes, trusted, list(zip(algorithms, checksums)), any(trusted), used
+    )
 
 
 class Reader:
@@ -106,18 +113,19 @@ class Reader:
             plan = _plan(locs, lengths)
             fds: dict[Segment, int] = {}
             if plan is not None:
-                for seg in {plan.segs[i] for i in plan.order}:
+                for seg in plan.used:
                     fds[seg] = index.pin_locked(seg)
         out = [False] * len(keys)
         bad: list[int] = []
         try:
             if plan is not None:
-
-                def job(lo: int, hi: int) -> Callable[[], None]:
-                    return lambda: self._read_chunk(plan, lo, hi, views, fds, out, bad)
-
                 bounds = _chunks(plan.order, lengths)
-                jobs = [job(a, b) for a, b in zip(bounds, bounds[1:])]
+                adjacent = _adjacent_chunks(plan, bounds, views.counts())
+                read = self._read_chunk
+                jobs = [
+                    functools.partial(read, plan, lo, hi, adj, views, fds, out, bad)
+                    for lo, hi, adj in zip(bounds, bounds[1:], adjacent)
+                ]
                 run_shared(self._pool(), self._helpers, jobs)
         finally:
             with index.mutex:
@@ -138,13 +146,18 @@ class Reader:
         plan: _Plan,
         lo: int,
         hi: int,
+        adjacent: bool,
         views: PageViews,
         fds: dict[Segment, int],
         out: list[bool],
         bad: list[int],
     ) -> None:
-        """Read pages ``plan.order[lo:hi]``, one ``preadv`` per run of adjacent records, and
-        verify each record into ``out`` (True) or ``bad``; an IO error leaves its pages False."""
+        """Read pages ``plan.order[lo:hi]``, one ``preadv`` per run of adjacent records (one in
+        all where ``adjacent``: ``_adjacent`` holds), and verify each record into ``out`` (True)
+        or ``bad``; an IO error leaves its pages False."""
+        if adjacent:
+            self._read_adjacent(plan, lo, hi, views, fds, out, bad)
+            return
         order, segs, offsets, sizes, trusted = (
             plan.order,
             plan.segs,
@@ -152,9 +165,6 @@ class Reader:
             plan.lengths,
             plan.trusted,
         )
-        if _adjacent(plan, lo, hi, views.counts()):
-            self._read_adjacent(plan, lo, hi, views, fds, out, bad)
-            return
         counts = views.counts()
         j = lo
         while j < hi:
@@ -183,7 +193,7 @@ class Reader:
             try:
                 if large:
                     i = members[0]
-                    if _read_large(fd, start, plan.algorithms[i], plan.checksums[i], views[i]):
+                    if _read_large(fd, start, *plan.sums[i], views[i]):
                         out[i] = True
                     else:
                         bad.append(i)
@@ -237,11 +247,13 @@ class Reader:
             end = start + got
             members = [i for i in members if plan.offsets[i] + plan.lengths[i] <= end]
             bad.extend(i for i in plan.order[lo:hi] if plan.offsets[i] + plan.lengths[i] > end)
-        trusted = plan.trusted
-        for i in members:
-            if trusted[i]:
-                out[i] = True
-        _verify(plan, views, [i for i in members if not trusted[i]], out, bad)
+        if plan.trusting:
+            trusted = plan.trusted
+            for i in members:
+                if trusted[i]:
+                    out[i] = True
+            members = [i for i in members if not trusted[i]]
+        _verify(plan, views, members, out, bad)
 
 
 def _verify(
@@ -249,8 +261,14 @@ def _verify(
 ) -> None:
     """Check each of ``pages`` (read in full) against its journal checksum, a run's hashes at
     once: into ``out`` (True) or ``bad``."""
-    for i, got in zip(pages, views.checksums(pages)):
-        want = (plan.algorithms[i], plan.checksums[i])
+    sums = plan.sums
+    got_all = views.checksums(pages)
+    if got_all == [sums[i] for i in pages]:  # every one verified: the common case
+        for i in pages:
+            out[i] = True
+        return
+    for i, got in zip(pages, got_all):
+        want = sums[i]
         if got == want or (got[0] != want[0] and views.matches(i, *want)):
             out[i] = True
         else:
@@ -272,6 +290,24 @@ def _adjacent(plan: _Plan, lo: int, hi: int, counts: Sequence[int]) -> bool:
     if any(offsets[b] != offsets[a] + lengths[a] for a, b in zip(members, members[1:])):
         return False
     return max(lengths[i] for i in members) <= RUN_BYTES or (hi - lo == 1 and plan.trusted[first])
+
+
+def _adjacent_chunks(plan: _Plan, bounds: list[int], counts: Sequence[int]) -> list[bool]:
+    """``_adjacent`` of each chunk ``bounds`` cut: for the whole batch at once where its records
+    lie back to back in one segment (sorted by segment, so its first and last records share
+    one), none larger than a run and no chunk over ``IOV_MAX`` parts (a batch written
+    together); else chunk by chunk."""
+    order, lengths = plan.order, plan.lengths
+    starts = [plan.offsets[i] for i in order]
+    sizes = [lengths[i] for i in order]
+    if (
+        plan.segs[order[0]] is plan.segs[order[-1]]
+        and max(sizes) <= RUN_BYTES
+        and max(counts) * max(map(operator.sub, bounds[1:], bounds)) <= IOV_MAX
+        and starts[1:] == list(map(operator.add, starts, sizes))[:-1]
+    ):
+        return [True] * (len(bounds) - 1)
+    return [_adjacent(plan, lo, hi, counts) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _read_large(

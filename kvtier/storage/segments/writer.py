@@ -4,14 +4,15 @@ Each process (each backend instance) writes only its own segments, ``<writer>-<n
 journal ``<writer>-<n>.kvj`` beside it, where ``<writer>`` is ``<pid>-<8 random hex>``, one writer
 name per write lane (``Lane``; ``Writer`` splits a batch among the lanes). A lane's share is
 laid out back to back at the end of its active segment and cut into runs (up to ``io.RUN_BYTES``);
-each run's payloads are checksummed by address (which brings them into the core's cache) and the
-run written with one ``pwritev`` of the caller's page buffers (pages adjacent in memory as one
-iovec) by the caller's thread or an IO thread, whichever takes it (``io.run_shared``). A record
-larger than a run is hashed and written in pieces of a run's size. Then the journal entries of the
-records before the first failed run, packed for the whole batch at once (``encode_entries``),
-follow with one ``pwrite``; with ``fsync`` both files are ``fdatasync``-ed once per batch.
-Records of one size (a batch's usually are) are laid out in closed form (``layout``). A segment is preallocated when created,
-truncated to its records when the writer moves on (or closes), and never written again.
+each run's payloads are checksummed (``PageViews.checksums``, which brings them into the core's
+cache) and the run written with one ``pwritev`` of the caller's page buffers (pages adjacent in
+memory as one iovec) by the caller's thread or an IO thread, whichever takes it
+(``io.run_shared``). A record larger than a run is hashed and written in pieces of a run's size.
+Then the journal entries of the records before the first failed run, packed for the whole batch
+at once (``encode_entries``), follow with one ``pwrite``; with ``fsync`` both files are
+``fdatasync``-ed once per batch. Records of one size (a batch's usually are) are laid out in
+closed form (``layout``). A segment is preallocated when created, truncated to its records when
+the writer moves on (or closes), and never written again.
 
 A writer killed at any point leaves records whose journal entry is missing (ignored), torn
 (parsing stops there) or present with the record's bytes incomplete or lost (the checksum fails:
