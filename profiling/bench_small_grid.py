@@ -158,6 +158,8 @@ def sweep(
                             "tile_bytes": tile,
                             "warps": warps,
                             "pct": 100 * best / ce,
+                            "gbs": best,
+                            "ceiling_gbs": ce,
                         }
                     )
                     print(
