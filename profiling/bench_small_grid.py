@@ -105,15 +105,24 @@ TOKEN_CASES = tuple(
 
 
 # page_first all-layer device->host, for the layer-rows sweep (rows forced on at every grid).
-ROWS_CASES = tuple(("page_first", "d2h", None, P, (None, None, None)) for P in (16, 1))
+ROWS_CASES = tuple(
+    ("page_first", direction, None, P, (None, None, None))
+    for direction in ("d2h", "h2d")
+    for P in (16, 1)
+)
 
 
 def sweep(
-    rounds: int, cases: tuple, programs_list: tuple, tiles: tuple, rows: bool = False
+    rounds: int,
+    cases: tuple,
+    programs_list: tuple,
+    tiles: tuple,
+    warps_list: tuple = (8, 16, 32),
+    rows_list: tuple = (False,),
 ) -> list[dict]:
-    """Cases over programs x tile bytes x warps: where the defaults stand against the best
-    knobs of the grid (% of the copy engine, best of ``rounds`` medians). ``rows``: layer rows
-    on at every grid size (``layer_rows_programs=1``)."""
+    """Cases over programs x tile bytes x warps (x layer rows off / forced on): where the
+    defaults stand against the best knobs of the grid (% of the copy engine, best of
+    ``rounds`` medians). The token variant is off: knobs are measured as named."""
     dev, _stacks, cfg = make_pools("llama3-8b")
     ceiling = Ceiling()
     gen = torch.Generator().manual_seed(1)
@@ -126,48 +135,50 @@ def sweep(
         ce = ceiling(nbytes, direction)
         for programs in programs_list:
             for tile in tiles:
-                for warps in (8, 16, 32):
-                    k = TransferKnobs(
-                        programs,
-                        tile_bytes=tile,
-                        num_warps=warps,
-                        layer_rows_programs=1 if rows else 0,
-                        **NO_TOKEN_VARIANT,
-                    )
-                    if direction == "d2h":
+                for warps in warps_list:
+                    for rows in rows_list:
+                        k = TransferKnobs(
+                            programs,
+                            tile_bytes=tile,
+                            num_warps=warps,
+                            layer_rows_programs=1 if rows else 0,
+                            **NO_TOKEN_VARIANT,
+                        )
+                        if direction == "d2h":
 
-                        def fn(k=k):
-                            copy_device_to_host(
-                                dev, host, didx, hidx, layer=layer, knobs=k, check=False
-                            )
-                    else:
+                            def fn(k=k):
+                                copy_device_to_host(
+                                    dev, host, didx, hidx, layer=layer, knobs=k, check=False
+                                )
+                        else:
 
-                        def fn(k=k):
-                            copy_host_to_device(
-                                host, dev, hidx, didx, layer=layer, knobs=k, check=False
-                            )
+                            def fn(k=k):
+                                copy_host_to_device(
+                                    host, dev, hidx, didx, layer=layer, knobs=k, check=False
+                                )
 
-                    best = max(gbs(nbytes, median_ms(fn, rep_ms=60)) for _ in range(rounds))
-                    out.append(
-                        {
-                            "layout": layout,
-                            "direction": direction,
-                            "layer": layer,
-                            "P": P,
-                            "programs": programs,
-                            "tile_bytes": tile,
-                            "warps": warps,
-                            "pct": 100 * best / ce,
-                            "gbs": best,
-                            "ceiling_gbs": ce,
-                        }
-                    )
-                    print(
-                        f"sweep {layout:11s} {direction} layer={layer} P={P:<2d} "
-                        f"programs={programs} tile={tile >> 10}K warps={warps}: "
-                        f"{out[-1]['pct']:5.1f}%",
-                        flush=True,
-                    )
+                        best = max(gbs(nbytes, median_ms(fn, rep_ms=60)) for _ in range(rounds))
+                        out.append(
+                            {
+                                "layout": layout,
+                                "direction": direction,
+                                "layer": layer,
+                                "P": P,
+                                "programs": programs,
+                                "tile_bytes": tile,
+                                "warps": warps,
+                                "layer_rows": rows,
+                                "pct": 100 * best / ce,
+                                "gbs": best,
+                                "ceiling_gbs": ce,
+                            }
+                        )
+                        print(
+                            f"sweep {layout:11s} {direction} layer={layer} P={P:<2d} "
+                            f"programs={programs} tile={tile >> 10}K warps={warps} "
+                            f"rows={rows}: {out[-1]['pct']:5.1f}%",
+                            flush=True,
+                        )
     return out
 
 
@@ -186,15 +197,17 @@ def write_sweep(rows: list[dict], info: dict, out: str, kind: str) -> None:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         scope = "all layers" if r["layer"] is None else "one layer"
-        groups.setdefault((r["layout"], r["direction"], scope, r["P"], r["programs"]), []).append(r)
+        key = (r["layout"], r["direction"], scope, r["P"], r["programs"], r.get("layer_rows"))
+        groups.setdefault(key, []).append(r)
     lines = [f"# Copy kernel knobs swept ({kind}): % of the copy engine", ""]
     lines += header_lines(info) + [""]
     lines += [
-        "| layout | copy | P | programs | default (64 KiB, warps) | 128 KiB, 32 warps | best |",
-        "|---|---|---|---|---|---|---|",
+        "| layout | copy | P | programs | layer rows | default (64 KiB, warps) | "
+        "128 KiB, 32 warps | best |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     labels, dflt, wide = [], [], []
-    for (layout, direction, scope, P, programs), rs in groups.items():
+    for (layout, direction, scope, P, programs, rows), rs in groups.items():
         warps = TransferKnobs(programs).warps
 
         def pct(tile, w, rs=rs):
@@ -203,11 +216,14 @@ def write_sweep(rows: list[dict], info: dict, out: str, kind: str) -> None:
         best = max(rs, key=lambda r: r["pct"])
         d, t = pct(65536, warps), pct(131072, 32)
         lines.append(
-            f"| {layout} | {direction} {scope} | {P} | {programs} | {d:.1f}% ({warps}) | "
+            f"| {layout} | {direction} {scope} | {P} | {programs} | "
+            f"{'off' if not rows else 'on'} | {d:.1f}% ({warps}) | "
             f"{t:.1f}% | {best['pct']:.1f}% ({best['tile_bytes'] >> 10} KiB, "
             f"{best['warps']} warps) |"
         )
-        labels.append(f"{layout[:5]} {direction} {scope[:3]} P{P} x{programs}")
+        labels.append(
+            f"{layout[:5]} {direction} {scope[:3]} P{P} x{programs}{' rows' if rows else ''}"
+        )
         dflt.append(d)
         wide.append(t)
     with open(os.path.join(out, name + ".md"), "w") as f:
@@ -249,7 +265,7 @@ def main() -> None:
             rows = sweep(args.rounds, TOKEN_CASES, (2, 4, 8), (65536, 131072, 262144))
         else:
             rows = sweep(
-                args.rounds, ROWS_CASES, (1, 2, 4), (32768, 65536, 131072, 262144), rows=True
+                args.rounds, ROWS_CASES, (1, 2, 4), (65536, 131072), (16, 32), (False, True)
             )
         if args.out:
             write_sweep(rows, environment(), args.out, args.sweep)

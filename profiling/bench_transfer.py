@@ -81,10 +81,16 @@ class Ceiling:
         if key not in self.cache:
             d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
             h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            # Best of three medians, like the kernels' cells: one median taken while the card
+            # was still busy once read 5% low and put a kernel at "100%" of it.
             if direction == "d2h":
-                ms = median_ms(lambda: h.copy_(d, non_blocking=True), rep_ms=60)
+                ms = min(
+                    median_ms(lambda: h.copy_(d, non_blocking=True), rep_ms=60) for _ in range(3)
+                )
             else:
-                ms = median_ms(lambda: d.copy_(h, non_blocking=True), rep_ms=60)
+                ms = min(
+                    median_ms(lambda: d.copy_(h, non_blocking=True), rep_ms=60) for _ in range(3)
+                )
             self.cache[key] = gbs(nbytes, ms)
             del d, h
         return self.cache[key]
