@@ -180,9 +180,12 @@ class TransferKnobs:
         token_tile_bytes, token_num_warps: the token variant's tile and warps.
         layer_rows_programs: all-layer calls whose host keeps each token's layers side by side
             (page_first, Mamba slots) walk a token's layers in a tile's rows from this many
-            programs up (0: never), so a tile's host side is one run per token instead of a
-            2 KiB piece every L items (H100, P=16, page_first D->H all layers: 4 programs
-            94.1-94.4 -> 94.8-95.3% of the copy engine; 2 programs 90 -> 85%, so not there).
+            programs up, and at every grid size where the host page size is 1 and its items
+            at most ``token_item_bytes`` (0: never), so a tile's host side is one run per token
+            instead of a 2 KiB piece every L items (H100, page_first all layers, % of the copy
+            engine, bench_small_grid ``--sweep rows``: P=16 D->H at 4 programs 94.1-94.8 ->
+            94.8-95.5, at 2 programs 90-91 -> 85, so not there; P=1 D->H 42 -> 59 at 1
+            program, 83 -> 95 at 2, 94 -> 95.6 at 4; H->D within a point or two either way).
     """
 
     num_programs: int = 4
@@ -577,7 +580,11 @@ def _launch(
     adjacent = (
         host.num_layers > 1
         and host.stride_layer == host.item_bytes
-        and 0 < knobs.layer_rows_programs <= knobs.num_programs
+        and knobs.layer_rows_programs > 0
+        and (
+            knobs.layer_rows_programs <= knobs.num_programs
+            or (host.page_size == 1 and host.item_bytes <= knobs.token_item_bytes)
+        )
     )
     layer_rows = n_sel > 1 and adjacent
     prep = _prepared(dev, host, tpi, d2h, knobs, layer_rows)

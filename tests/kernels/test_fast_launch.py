@@ -209,23 +209,35 @@ def test_token_variant_chosen_by_page_size_item_and_grid(
     assert v.num_programs == programs and knobs.token_variant() is v
 
 
+@pytest.mark.parametrize(("page", "item_limit"), [(P, 8192), (1, 8192), (1, 16)])
 @pytest.mark.parametrize("rows_from", [1, 2, 3, 0])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
-    layout, rows_from, device, monkeypatch
+    layout, rows_from, page, item_limit, device, monkeypatch
 ):
     """All-layer calls into a host layout that keeps each token's layers side by side
     (page_first) walk each token's layers in a tile's rows (``LAYER_ROWS``) on at least
-    ``layer_rows_programs`` programs (2 here; 0: never); one-layer calls and other layouts keep
-    one (buffer, layer) per tile. Bit-exact against the reference either way."""
-    item = (2, 8)
-    dev, host, gen = _setup(layout, item, 13, device)
+    ``layer_rows_programs`` programs (2 here), and at any grid size with a page-size-1 host of
+    small items (0: never); one-layer calls and other layouts keep one (buffer, layer) per tile.
+    Bit-exact against the reference either way."""
+    if page == 1 and layout == "page_first_direct":
+        pytest.skip("page_first_direct with pages of one token is page_first")
+    item = (2, 8)  # 32-byte items
+    gen = torch.Generator().manual_seed(13)
+    dev = make_device("mha", "stacked", L, DEV_PAGES * P, item, torch.float16, device, gen)
+    host = make_host("mha", layout, L, HOST_PAGES * P, page, item, torch.float16, gen, pin=CUDA)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
     knobs = dataclasses.replace(
         _tiny_knobs(item, tile_bytes=64, small_pages=0),  # 2 rows a tile, 3 layers: straddles
         layer_rows_programs=rows_from,
+        token_item_bytes=item_limit,
     )
-    on = layout == "page_first" and 0 < rows_from <= knobs.num_programs
+    small_tokens = page == 1 and item_limit >= 32
+    on = (
+        layout == "page_first"
+        and rows_from > 0
+        and (rows_from <= knobs.num_programs or small_tokens)
+    )
     taken = []
     args_of = kv_transfer._launch_args
 
@@ -236,14 +248,18 @@ def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
     monkeypatch.setattr(kv_transfer, "_launch_args", spy)
     for direction, layer in (("d2h", None), ("h2d", None), ("d2h", 1), ("h2d", 2)):
         d2h = direction == "d2h"
-        dp = pick_pages(DEV_PAGES, 3, gen).to(device)
-        hp = pick_pages(HOST_PAGES, 3, gen).to(device)
+        ds = pages_to_slots(pick_pages(DEV_PAGES, 3, gen), P).to(device)
+        hs = (
+            torch.randperm(HOST_PAGES * P, generator=gen)[: 3 * P]
+            if page == 1
+            else pages_to_slots(pick_pages(HOST_PAGES, 3, gen), P)
+        ).to(device)
         taken.clear()
         if d2h:
-            copy_device_to_host(dev, host, dp, hp, layer=layer, index_unit="page", knobs=knobs)
+            copy_device_to_host(dev, host, ds, hs, layer=layer, knobs=knobs)
         else:
-            copy_host_to_device(host, dev, hp, dp, layer=layer, index_unit="page", knobs=knobs)
-        ref_copy_kv(ref_dev, ref_host, dp, hp, d2h=d2h, layer=layer, index_unit="page")
+            copy_host_to_device(host, dev, hs, ds, layer=layer, knobs=knobs)
+        ref_copy_kv(ref_dev, ref_host, ds, hs, d2h=d2h, layer=layer)
         what = f"{layout} {direction} layer {layer}"
         assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
         assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
