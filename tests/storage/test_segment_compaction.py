@@ -51,7 +51,9 @@ def served(b: SegmentBackend, hashes: list[str]) -> list[bool]:
 
 
 def store(root: Path, **config: object) -> SegmentBackend:
-    """Segments of eight records; the journal reservation is ample for eight entries."""
+    """Segments of eight records; the journal reservation is ample for eight entries. Stores
+    list the root at once (these tests check what another store sees, not when)."""
+    config.setdefault("list_interval_s", 0)
     b = create_backend("file", root=root, segment_bytes=8 * RECORD, touch_interval_s=0, **config)
     assert isinstance(b, SegmentBackend)
     return b
@@ -156,7 +158,7 @@ def served(b, hashes):
     ok = b.get([PoolTransfer("kv", hashes, out)]).ok["kv"]
     wrong = sum(1 for h, o, k in zip(hashes, out, ok) if k and not torch.equal(o, expected(h)))
     return sum(ok), wrong
-b = create_backend("file", root=sys.argv[1])
+b = create_backend("file", root=sys.argv[1], list_interval_s=0)  # sees at once
 print(*served(b, H[:17]), flush=True)  # before: every live page, through its descriptors
 sys.stdin.readline()
 print(*served(b, H[:17]), flush=True)  # after the other process compacted

@@ -129,8 +129,8 @@ def test_batch_split_between_lanes_is_served_everywhere(tmp_path: Path) -> None:
     """Two lanes, two writer names: the batch's pages are served by this backend, by one that
     was open before the writes (it tails both lanes' journals, also after a second batch goes
     into the same active segments), and after a restart."""
-    a = create_backend("file", root=tmp_path)
-    other = create_backend("file", root=tmp_path)
+    a = create_backend("file", root=tmp_path, list_interval_s=0)
+    other = create_backend("file", root=tmp_path, list_interval_s=0)  # sees at once
     try:
         first, second = H[:BATCH], H[BATCH : 2 * BATCH]
         assert all(put(a, first))

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -24,6 +25,7 @@ import torch
 from kvtier.storage import KeyScope, Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import SegmentBackend
 from kvtier.storage.segments.format import ENTRY_SIZE, RECORD_HEAD
+from kvtier.storage.segments.index import Index
 
 NS = Namespace("segment-test", "bfloat16", 4, "page_first")
 PAGE = 4096
@@ -31,6 +33,7 @@ CALL_BOUND_S = 10.0  # a storage call that takes longer than this is hung, not s
 H = page_hashes(range(4 * 64), NS)
 OBJ = [f"{h}.kv.r0" for h in H]  # object keys of pool "kv" under the default (sharded) scope
 RECORD = RECORD_HEAD + PAGE
+BOUND_S = 10.0  # a wait longer than this is a hang, not a slow machine
 ENTRY = ENTRY_SIZE + len(OBJ[0])
 T = TypeVar("T")
 
@@ -107,7 +110,8 @@ def test_roundtrip_parts_duplicates_and_idempotent_set(root: Path) -> None:
 
 def test_index_rebuilt_at_restart_and_other_process_writes_seen(root: Path) -> None:
     a = create_backend("file", root=root)
-    reader = create_backend("file", root=root)  # opened before the writes: it must tail them
+    # Opened before the writes: it must find the new segment and tail it (listing at once).
+    reader = create_backend("file", root=root, list_interval_s=0)
     assert put(a, H[:10]) == [True] * 10
     assert reader.exists([PoolTransfer("kv", H[:10])]) == 10, "the next call sees them"
     assert served(reader, H[:10]) == [True] * 10
@@ -493,3 +497,51 @@ def test_journal_read_in_chunks_that_cut_entries(
     again = create_backend("file", root=root)
     assert again.exists([PoolTransfer("kv", H[:20])]) == 20
     assert served(again, H[:20]) == [True] * 20
+
+
+def _count_listings(monkeypatch) -> list[int]:
+    n = [0]
+    rescan = Index._rescan_locked
+
+    def counted(self):
+        n[0] += 1
+        return rescan(self)
+
+    monkeypatch.setattr(Index, "_rescan_locked", counted)
+    return n
+
+
+def test_a_put_stream_does_not_list_the_root_every_batch(root: Path, monkeypatch) -> None:
+    """A listing costs O(files in the root) and this store's own rolls change the root: within
+    ``list_interval_s`` of the last listing, batches (and misses) do not list it again; a forced
+    listing still does. Another store listing at once sees every page."""
+    listings = _count_listings(monkeypatch)
+    b = create_backend("file", root=root, segment_bytes=2 * RECORD, list_interval_s=3600)
+    assert listings[0] == 1  # at start-up
+    for i in range(0, 16, 2):  # a roll every batch
+        assert put(b, H[i : i + 2]) == [True, True]
+    assert served(b, H[:16]) == [True] * 16
+    assert b.exists([PoolTransfer("kv", H[16:20])]) == 0  # misses
+    assert listings[0] == 1, "no listing within the interval"
+    with b._index.mutex:
+        b._index.forget_listing_locked()
+        b._index.refresh_locked(tail=True)
+    assert listings[0] == 2, "a forced listing is never held back"
+    other = create_backend("file", root=root, list_interval_s=0)
+    assert served(other, H[:16]) == [True] * 16
+    b.close()
+    other.close()
+
+
+def test_another_process_pages_seen_within_the_list_interval(root: Path) -> None:
+    """With the default interval another store's new segments are seen within it: a reader
+    opened before the writes finds them by a later call (polled up to a bound)."""
+    a = create_backend("file", root=root)
+    reader = create_backend("file", root=root, list_interval_s=0.05)
+    assert put(a, H[:10]) == [True] * 10
+    deadline = time.monotonic() + BOUND_S
+    while reader.exists([PoolTransfer("kv", H[:10])]) != 10:
+        assert time.monotonic() < deadline, "another store's pages never seen"
+    assert served(reader, H[:10]) == [True] * 10
+    a.close()
+    reader.close()

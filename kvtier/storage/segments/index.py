@@ -113,6 +113,7 @@ class Index:
         writers: Iterable[str],
         open_segments: int,
         touch_interval_s: float,
+        list_interval_s: float = 0.0,
     ) -> None:
         self.root, self._dirfd = root, dirfd
         self.writers = frozenset(writers)  # this process's writer names (one per write lane)
@@ -127,6 +128,10 @@ class Index:
         self._open_max = open_segments
         self._touch_interval_s = touch_interval_s
         self._dir_mtime = -1
+        # Listings the root's changes prompt are at least this far apart (SegmentBackendConfig.
+        # list_interval_s); a forced one (the first, ``forget_listing_locked``) never waits.
+        self._list_every_ns = int(list_interval_s * 1e9)
+        self._listed_at = 0  # time.monotonic_ns() of the last listing
 
     # -- catching up with the root ----------------------------------------------------------------
 
@@ -139,9 +144,11 @@ class Index:
             return False
         looked = tail
         if mtime != self._dir_mtime or (tail and time.time_ns() - mtime < _COARSE_NS):
-            self._dir_mtime = mtime
-            self._rescan_locked()
-            looked = True
+            now = time.monotonic_ns()
+            if self._dir_mtime == -1 or now - self._listed_at >= self._list_every_ns:
+                self._dir_mtime, self._listed_at = mtime, now
+                self._rescan_locked()
+                looked = True
         if tail:
             for seg in [s for s in self.segments.values() if s.jfd is not None]:
                 self._tail_locked(seg)

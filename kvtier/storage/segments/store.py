@@ -129,7 +129,12 @@ class SegmentBackend(StorageBackend):
         # another process tails the newest segment of each (older ones are final).
         names = [f"{os.getpid()}-{os.urandom(4).hex()}" for _ in range(config.lanes)]
         self._index = Index(
-            self.root, self._dirfd, names, config.open_segments, config.touch_interval_s
+            self.root,
+            self._dirfd,
+            names,
+            config.open_segments,
+            config.touch_interval_s,
+            config.list_interval_s,
         )
         self._space = Space(self.root, self._dirfd, self._lock, self._index)
         self._reader = Reader(
