@@ -40,6 +40,15 @@ PROGRAMS = (1, 2, 4)
 NO_TOKEN_VARIANT = {"token_d2h_programs": 0, "token_h2d_programs": 0}
 
 
+def copy_call(dev, host, didx, hidx, direction: str, layer, knobs: TransferKnobs):
+    """The timed call: one copy of the case with these knobs."""
+    if direction == "d2h":
+        return lambda: copy_device_to_host(
+            dev, host, didx, hidx, layer=layer, knobs=knobs, check=False
+        )
+    return lambda: copy_host_to_device(host, dev, hidx, didx, layer=layer, knobs=knobs, check=False)
+
+
 def measure(rounds: int) -> list[dict]:
     dev, _stacks, cfg = make_pools("llama3-8b")
     ceiling = Ceiling()
@@ -57,19 +66,7 @@ def measure(rounds: int) -> list[dict]:
                 ("default", TransferKnobs(programs)),
                 ("16 warps", TransferKnobs(programs, num_warps=16, **NO_TOKEN_VARIANT)),
             ):
-                if direction == "d2h":
-
-                    def fn(k=knobs):
-                        copy_device_to_host(
-                            dev, host, didx, hidx, layer=layer, knobs=k, check=False
-                        )
-                else:
-
-                    def fn(k=knobs):
-                        copy_host_to_device(
-                            host, dev, hidx, didx, layer=layer, knobs=k, check=False
-                        )
-
+                fn = copy_call(dev, host, didx, hidx, direction, layer, knobs)
                 best = max(gbs(nbytes, median_ms(fn, rep_ms=60)) for _ in range(rounds))
                 pct[name] = 100 * best / ce
             rows.append(
@@ -144,19 +141,7 @@ def sweep(
                             layer_rows_programs=1 if rows else 0,
                             **NO_TOKEN_VARIANT,
                         )
-                        if direction == "d2h":
-
-                            def fn(k=k):
-                                copy_device_to_host(
-                                    dev, host, didx, hidx, layer=layer, knobs=k, check=False
-                                )
-                        else:
-
-                            def fn(k=k):
-                                copy_host_to_device(
-                                    host, dev, hidx, didx, layer=layer, knobs=k, check=False
-                                )
-
+                        fn = copy_call(dev, host, didx, hidx, direction, layer, k)
                         best = max(gbs(nbytes, median_ms(fn, rep_ms=60)) for _ in range(rounds))
                         out.append(
                             {

@@ -67,6 +67,32 @@ def _tiny_knobs(item: tuple[int, int], tile_bytes: int, small_pages: int) -> Tra
     )
 
 
+def _spy(monkeypatch, field: str) -> list:
+    """Per launch, ``field`` of the prepared entry it built its arguments for (the first: the
+    variant it runs; a first launch also builds its siblings')."""
+    seen = []
+    args_of = kv_transfer._launch_args
+
+    def spy(prep, *a):
+        seen.append(getattr(prep, field))
+        return args_of(prep, *a)
+
+    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    return seen
+
+
+def _copy_and_compare(dev, host, ref_dev, ref_host, ds, hs, d2h, layer, knobs, what, **unit):
+    """One copy through the kernel and the same through the torch reference: both sides equal
+    byte for byte (every slot the call does not name untouched)."""
+    if d2h:
+        copy_device_to_host(dev, host, ds, hs, layer=layer, knobs=knobs, **unit)
+    else:
+        copy_host_to_device(host, dev, hs, ds, layer=layer, knobs=knobs, **unit)
+    ref_copy_kv(ref_dev, ref_host, ds, hs, d2h=d2h, layer=layer, **unit)
+    assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
+    assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
+
+
 def _count_jit(monkeypatch) -> list[int]:
     """Count launches that go through ``JITFunction.run``."""
     n = [0]
@@ -126,14 +152,9 @@ def test_small_h2d_variant_chosen_by_bytes(layout, device, monkeypatch):
     dev, host, gen = _setup(layout, item, 11, device)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
     knobs = _tiny_knobs(item, tile_bytes=128, small_pages=2)
-    launched = []  # the variant each launch built its arguments for (first: the one it runs)
-    args_of = kv_transfer._launch_args
-
-    def spy(prep, *a):
-        launched.append(prep.knobs)
-        return args_of(prep, *a)
-
-    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    launched = _spy(
+        monkeypatch, "knobs"
+    )  # the variant each launch built its arguments for (first: the one it runs)
     for n, layer, small in ((1, 0, True), (2, 1, True), (3, 2, False), (1, None, False)):
         dp = pick_pages(DEV_PAGES, n, gen).to(device)
         hp = pick_pages(HOST_PAGES, n, gen).to(device)
@@ -179,14 +200,7 @@ def test_token_variant_chosen_by_page_size_item_and_grid(
         token_tile_bytes=256,
         token_num_warps=2,
     )
-    launched = []
-    args_of = kv_transfer._launch_args
-
-    def spy(prep, *a):
-        launched.append(prep.knobs)
-        return args_of(prep, *a)
-
-    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    launched = _spy(monkeypatch, "knobs")
     for direction, layer in (("d2h", None), ("h2d", 1), ("d2h", 2), ("h2d", None)):
         d2h = direction == "d2h"
         ds = torch.randperm(DEV_PAGES * P, generator=gen)[:9].to(device)
@@ -195,14 +209,8 @@ def test_token_variant_chosen_by_page_size_item_and_grid(
             ds = pages_to_slots(pick_pages(DEV_PAGES, 2, gen), P).to(device)
             hs = pages_to_slots(pick_pages(HOST_PAGES, 2, gen), P).to(device)
         launched.clear()
-        if d2h:
-            copy_device_to_host(dev, host, ds, hs, layer=layer, knobs=knobs)
-        else:
-            copy_host_to_device(host, dev, hs, ds, layer=layer, knobs=knobs)
-        ref_copy_kv(ref_dev, ref_host, ds, hs, d2h=d2h, layer=layer)
         what = f"{direction} layer {layer}"
-        assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
-        assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
+        _copy_and_compare(dev, host, ref_dev, ref_host, ds, hs, d2h, layer, knobs, what)
         assert launched[0] == (knobs.token_variant() if want[direction] else knobs), what
     v = knobs.token_variant()
     assert (v.tile_bytes, v.num_warps, v.token_d2h_programs, v.token_h2d_programs) == (256, 2, 0, 0)
@@ -238,14 +246,7 @@ def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
         and rows_from > 0
         and (rows_from <= knobs.num_programs or small_tokens)
     )
-    taken = []
-    args_of = kv_transfer._launch_args
-
-    def spy(prep, *a):
-        taken.append(prep.layer_rows)
-        return args_of(prep, *a)
-
-    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    taken = _spy(monkeypatch, "layer_rows")
     for direction, layer in (("d2h", None), ("h2d", None), ("d2h", 1), ("h2d", 2)):
         d2h = direction == "d2h"
         ds = pages_to_slots(pick_pages(DEV_PAGES, 3, gen), P).to(device)
@@ -255,14 +256,8 @@ def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
             else pages_to_slots(pick_pages(HOST_PAGES, 3, gen), P)
         ).to(device)
         taken.clear()
-        if d2h:
-            copy_device_to_host(dev, host, ds, hs, layer=layer, knobs=knobs)
-        else:
-            copy_host_to_device(host, dev, hs, ds, layer=layer, knobs=knobs)
-        ref_copy_kv(ref_dev, ref_host, ds, hs, d2h=d2h, layer=layer)
         what = f"{layout} {direction} layer {layer}"
-        assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
-        assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
+        _copy_and_compare(dev, host, ref_dev, ref_host, ds, hs, d2h, layer, knobs, what)
         assert taken[0] == (on and layer is None), what
 
 
@@ -274,23 +269,16 @@ def test_layer_rows_give_way_where_rows_would_pass_int32(device, monkeypatch):
     dev, host, gen = _setup("page_first", item, 17, device)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
     knobs = _tiny_knobs(item, tile_bytes=64, small_pages=0)
-    taken = []
-    args_of = kv_transfer._launch_args
-
-    def spy(prep, *a):
-        taken.append(prep.layer_rows)
-        return args_of(prep, *a)
-
-    monkeypatch.setattr(kv_transfer, "_launch_args", spy)
+    taken = _spy(monkeypatch, "layer_rows")
     rows_per_page = P * L  # one chunk per 32-byte item
     monkeypatch.setattr(kv_transfer, "_I32_MAX", 2 * rows_per_page)
     for n, want in ((2, True), (3, False)):
         dp = pick_pages(DEV_PAGES, n, gen).to(device)
         hp = pick_pages(HOST_PAGES, n, gen).to(device)
         taken.clear()
-        copy_device_to_host(dev, host, dp, hp, layer=None, index_unit="page", knobs=knobs)
-        ref_copy_kv(ref_dev, ref_host, dp, hp, d2h=True, layer=None, index_unit="page")
-        assert_bytes_equal(host.tensor, ref_host.tensor, f"{n} pages")
+        _copy_and_compare(
+            dev, host, ref_dev, ref_host, dp, hp, True, None, knobs, f"{n} pages", index_unit="page"
+        )
         assert taken[0] is want, n
 
 

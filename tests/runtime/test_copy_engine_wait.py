@@ -21,6 +21,22 @@ if not torch.cuda.is_available():
 L, P, N = 16, 16, 8192  # a 512 MiB load: long enough that later layers are still loading
 
 
+def _cache(layout: str, io_backend: str) -> TieredKVCache:
+    return TieredKVCache(
+        CacheConfig(
+            layer_kinds=("full",) * L,
+            kv_heads=8,
+            head_dim=128,
+            page_size=P,
+            device_tokens=2 * N,
+            host_ratio=2.0,
+            host_layout=layout,
+            io_backend=io_backend,
+            device="cuda",
+        )
+    )
+
+
 @pytest.mark.parametrize(
     "layout, io_backend, offload",
     [
@@ -45,19 +61,7 @@ L, P, N = 16, 16, 8192  # a 512 MiB load: long enough that later layers are stil
     ],
 )
 def test_wait_layer_is_exact(layout, io_backend, offload):
-    cache = TieredKVCache(
-        CacheConfig(
-            layer_kinds=("full",) * L,
-            kv_heads=8,
-            head_dim=128,
-            page_size=P,
-            device_tokens=2 * N,
-            host_ratio=2.0,
-            host_layout=layout,
-            io_backend=io_backend,
-            device="cuda",
-        )
-    )
+    cache = _cache(layout, io_backend)
     cache.controller.offload_enqueue = offload
     pool = cache.full_pool
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -131,19 +135,7 @@ def test_load_time_leaves_out_the_forward_between_runs(layout, io_backend):
     worker's paced steps) is timed over its runs of steps, not from its first step to its last:
     a forward whose CPU waits for each layer's compute (here a 5 ms GPU sleep, then a
     synchronize) leaves the copy stream idle between runs, and that time is not the copy's."""
-    cache = TieredKVCache(
-        CacheConfig(
-            layer_kinds=("full",) * L,
-            kv_heads=8,
-            head_dim=128,
-            page_size=P,
-            device_tokens=2 * N,
-            host_ratio=2.0,
-            host_layout=layout,
-            io_backend=io_backend,
-            device="cuda",
-        )
-    )
+    cache = _cache(layout, io_backend)
     tokens = torch.randint(0, 1000, (N + 1,)).tolist()
     req = cache.match(tokens)
     cache.reserve(req, N + 1)
