@@ -299,3 +299,48 @@ def test_a_key_read_twice_in_a_batch_gets_its_own_bytes(tmp_path: Path, verify: 
         assert all(served(b, [a, bb, c]))
     finally:
         b.close()
+
+
+def _scan(b: SegmentBackend) -> float | None:
+    """The candidate a scan of every segment picks: its live fraction (None: no candidate)."""
+    index, below = b._index, b._compactor._below
+    ratios = [
+        s.live_bytes / s.end
+        for s in index.segments.values()
+        if s.jfd is None and s not in index.active and s.end > 0 and not s.gone
+    ]
+    ratios = [r for r in ratios if r < below]
+    return min(ratios) if ratios else None
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_compaction_candidates_kept_up_to_date_equal_a_full_scan(tmp_path: Path, seed: int) -> None:
+    """The compactor looks only at segments whose books changed (``Index.changed``), not at
+    every segment on each batch: after random puts and deletes by two stores on one root, its
+    candidate's live fraction is always the one a scan of every segment finds."""
+    import random
+
+    root = tmp_path / "l3"
+    rng = random.Random(seed)
+    a, b = store(root, compact_below=0.6), store(root, compact_below=0.6)
+    stored: list[str] = []
+    fresh = iter(H)
+    for _ in range(30):  # at most 60 of H's 64 keys
+        who = rng.choice((a, b))
+        if stored and rng.random() < 0.4:
+            gone = rng.sample(stored, min(len(stored), rng.randint(1, 3)))
+            assert who.delete([PoolTransfer("kv", gone)]).all_ok
+            stored = [h for h in stored if h not in gone]
+        else:
+            new = [next(fresh) for _ in range(rng.randint(1, 2))]
+            assert put(who, new) == [True] * len(new)
+            stored += new
+        for x in (a, b):
+            with x._index.mutex:
+                x._index.refresh_locked(tail=True)
+                got = x._compactor._candidate_locked()
+                want = _scan(x)
+                assert (None if got is None else got.live_bytes / got.end) == want
+    assert served(a, stored) == [True] * len(stored)
+    a.close()
+    b.close()

@@ -545,3 +545,20 @@ def test_another_process_pages_seen_within_the_list_interval(root: Path) -> None
     assert served(reader, H[:10]) == [True] * 10
     a.close()
     reader.close()
+
+
+def test_a_costly_listing_waits_ten_times_its_cost(root: Path, monkeypatch) -> None:
+    """However small ``list_interval_s``, listings are ten times their own cost apart (a root of
+    many files is listed at most ~10% of the time); a forced listing still goes at once."""
+    listings = _count_listings(monkeypatch)
+    b = create_backend("file", root=root, segment_bytes=2 * RECORD, list_interval_s=0)
+    with b._index.mutex:
+        b._index._list_cost_ns = 10**15  # as if the start-up listing had taken days
+    for i in range(0, 8, 2):
+        assert put(b, H[i : i + 2]) == [True, True]
+    assert listings[0] == 1
+    with b._index.mutex:
+        b._index.forget_listing_locked()
+        b._index.refresh_locked(tail=True)
+    assert listings[0] == 2
+    b.close()

@@ -124,6 +124,10 @@ class Index:
         self.tombs: dict[str, tuple[int, str, int]] = {}
         self.segments: dict[str, Segment] = {}
         self.active: set[Segment] = set()  # this process's segments being appended to
+        # Segments whose live bytes, end or finished state changed since the compactor last
+        # looked: only these can have become (or stopped being) compaction candidates, so the
+        # compactor looks at them instead of every segment on each batch.
+        self.changed: set[Segment] = set()
         self._open: OrderedDict[str, Segment] = OrderedDict()  # open read descriptors, LRU first
         self._open_max = open_segments
         self._touch_interval_s = touch_interval_s
@@ -132,6 +136,13 @@ class Index:
         # list_interval_s); a forced one (the first, ``forget_listing_locked``) never waits.
         self._list_every_ns = int(list_interval_s * 1e9)
         self._listed_at = 0  # time.monotonic_ns() of the last listing
+        self._list_cost_ns = 0  # how long the last listing took
+        # The last listing's names, and the stems of those that are segment (``kvs``) and
+        # journal (``kvj``) files: a listing parses only the names that are new since.
+        self._names: set[str] = set()
+        self._data: set[str] = set()
+        self._journals: set[str] = set()
+        self._latest: dict[str, int] = {}  # each writer's newest segment number seen
 
     # -- catching up with the root ----------------------------------------------------------------
 
@@ -145,9 +156,13 @@ class Index:
         looked = tail
         if mtime != self._dir_mtime or (tail and time.time_ns() - mtime < _COARSE_NS):
             now = time.monotonic_ns()
-            if self._dir_mtime == -1 or now - self._listed_at >= self._list_every_ns:
+            # At least list_interval_s apart, and ten times the last listing's own time (a
+            # root of many files is listed at most ~10% of the time).
+            every = max(self._list_every_ns, 10 * self._list_cost_ns)
+            if self._dir_mtime == -1 or now - self._listed_at >= every:
                 self._dir_mtime, self._listed_at = mtime, now
                 self._rescan_locked()
+                self._list_cost_ns = time.monotonic_ns() - now
                 looked = True
         if tail:
             for seg in [s for s in self.segments.values() if s.jfd is not None]:
@@ -160,19 +175,22 @@ class Index:
 
     def _rescan_locked(self) -> None:
         try:
-            names = os.listdir(self._dirfd)
+            names = set(os.listdir(self._dirfd))
         except OSError as e:
             log.warning("segment store %s: cannot list the root: %s", self.root, e)
             return
-        data, journals = set(), set()
-        for name in names:
+        data, journals = self._data, self._journals
+        for name in self._names - names:
+            (data if name.endswith(".kvs") else journals).discard(name[:-4])
+        for name in names - self._names:
             m = NAME.fullmatch(name)
             if m is not None:
                 (data if m["ext"] == "kvs" else journals).add(name[:-4])
+        self._names = names
         active = {seg.stem for seg in self.active}
-        for stem, seg in list(self.segments.items()):
-            if stem not in data and stem not in active:
-                self.remove_locked(seg)
+        for stem in self.segments.keys() - data - active:
+            self.remove_locked(self.segments[stem])
+        latest = self._latest
         for stem in sorted((data & journals) - self.segments.keys()):
             writer, _, number = stem.rpartition("-")
             if writer in self.writers:
@@ -182,16 +200,15 @@ class Index:
                 continue  # not a regular file: never ours to serve
             # The segment file is opened (and checked to be a regular file) when first read.
             self.segments[stem] = Segment(stem, writer, int(number), -1, jfd)
-        latest: dict[str, int] = {}
-        for seg in self.segments.values():
-            latest[seg.writer] = max(latest.get(seg.writer, -1), seg.number)
+            latest[writer] = max(latest.get(writer, -1), int(number))
         for seg in self.segments.values():
             if seg.jfd is not None:
                 self._tail_locked(seg)
-                if seg.jfd is not None and seg.number < latest[seg.writer]:
+                if seg.jfd is not None and seg.number < latest.get(seg.writer, -1):
                     # Its writer moved on: the journal is final.
                     os.close(seg.jfd)
                     seg.jfd = None
+                    self.changed.add(seg)
 
     def _tail_locked(self, seg: Segment) -> None:
         """Index the entries ``seg``'s journal gained since the last look."""
@@ -226,6 +243,7 @@ class Index:
     def finish_own_locked(self, seg: Segment) -> None:
         """This process stopped appending to ``seg``: its descriptor joins the read LRU."""
         self.active.discard(seg)
+        self.changed.add(seg)
         if not seg.gone and seg.fd >= 0:
             self._open[seg.stem] = seg
         self.unpin_locked(seg)
@@ -234,7 +252,8 @@ class Index:
         """Index journal entries of ``seg`` (tuples of ``Entry``'s fields): the start-up path and
         every append, so kept lean (no per-entry call but the dict's)."""
         index, stem, tombs = self.entries, seg.stem, self.tombs
-        get, keep, new = index.get, seg.keys.append, tuple.__new__
+        get, keep, new, changed = index.get, seg.keys.append, tuple.__new__, self.changed.add
+        changed(seg)
         live = live_bytes = 0
         end = seg.end
         for key, offset, length, seq, time_ns, algorithm, checksum, deleted in entries:
@@ -256,6 +275,7 @@ class Index:
                     continue
                 old.seg.live -= 1
                 old.seg.live_bytes -= old.length
+                changed(old.seg)
             index[key] = new(Loc, (seg, offset, length, seq, time_ns, trusted, algorithm, checksum))
             live += 1
             live_bytes += length
@@ -275,6 +295,7 @@ class Index:
         del self.entries[key]
         old.seg.live -= 1
         old.seg.live_bytes -= old.length
+        self.changed.add(old.seg)
 
     def remove_locked(self, seg: Segment) -> None:
         """Forget a deleted segment; its descriptor closes when no read of ours uses it."""
@@ -289,6 +310,7 @@ class Index:
                     del tombs[key]
         seg.keys, seg.live, seg.live_bytes, seg.gone = [], 0, 0, True
         self.segments.pop(seg.stem, None)
+        self.changed.discard(seg)
         self._open.pop(seg.stem, None)
         if seg.pins == 0:
             seg.close()
@@ -302,6 +324,7 @@ class Index:
             del self.entries[key]
             loc.seg.live -= 1
             loc.seg.live_bytes -= loc.length
+            self.changed.add(loc.seg)
 
     def trust_locked(self, key: str, loc: Loc) -> None:
         """Mark ``key``'s record verified (``verify="once"``), unless it changed meanwhile."""
