@@ -144,8 +144,8 @@ def test_backend_without_delete_says_so(tmp_path: Path) -> None:
 
 
 def segment_store(root: Path, **config: object) -> SegmentBackend:
-    # What another store on the root sees, not when: the root is listed at once.
-    config.setdefault("list_interval_s", 0)
+    # The default list interval: a delete must reach another store's segments made since its
+    # last listing.
     b = create_backend("file", root=root, **config)
     assert isinstance(b, SegmentBackend)
     return b
@@ -161,7 +161,9 @@ def empty(n: int) -> list[torch.Tensor]:
 
 def test_tombstones_reach_other_processes_and_restarts(tmp_path: Path) -> None:
     root = tmp_path / "l3"
-    writer, deleter = segment_store(root), segment_store(root)
+    # The writer lists at once (what it sees, not when); the deleter keeps the default interval,
+    # and the writer's segment is new since its last listing: its delete must list the root.
+    writer, deleter = segment_store(root, list_interval_s=0), segment_store(root)
     h = hashes(4)
     assert writer.set([PoolTransfer("kv", h, pages_of(h))]).all_ok
     assert deleter.delete([PoolTransfer("kv", h[:2])]).all_ok, "another process's records"
@@ -230,7 +232,7 @@ def test_a_delete_preallocates_no_data_segment(tmp_path, make_pages):
     and eviction keeps that segment after dead data segments (it is not dead while its
     tombstones are in force)."""
     root = tmp_path / "l3"
-    a = segment_store(root)
+    a = segment_store(root, list_interval_s=0)  # sees b's new segment at once
     hs = hashes(3)
     put(a, hs, make_pages)
     before = {p.name for p in root.iterdir() if p.suffix == ".kvs"}

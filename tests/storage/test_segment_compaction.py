@@ -313,34 +313,47 @@ def _scan(b: SegmentBackend) -> float | None:
     return min(ratios) if ratios else None
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", range(40))
 def test_compaction_candidates_kept_up_to_date_equal_a_full_scan(tmp_path: Path, seed: int) -> None:
     """The compactor looks only at segments whose books changed (``Index.changed``), not at
-    every segment on each batch: after random puts and deletes by two stores on one root, its
-    candidate's live fraction is always the one a scan of every segment finds."""
+    every segment on each batch: after random puts, deletes and rewrites by three stores on one
+    root, its candidate's live fraction is always the one a scan of every segment finds. The
+    third store lists the root only when forced, so it writes keys the others hold again
+    (superseding their records) and its segments' journals are closed as final late."""
     import random
 
     root = tmp_path / "l3"
     rng = random.Random(seed)
     a, b = store(root, compact_below=0.6), store(root, compact_below=0.6)
+    late = store(root, compact_below=0.6, list_interval_s=3600)
+    stores = (a, b, late)
     stored: list[str] = []
     fresh = iter(H)
-    for _ in range(30):  # at most 60 of H's 64 keys
-        who = rng.choice((a, b))
-        if stored and rng.random() < 0.4:
+    for _ in range(60):  # at most 120 of H's 256 keys
+        who = rng.choice(stores)
+        r = rng.random()
+        if stored and r < 0.3:
             gone = rng.sample(stored, min(len(stored), rng.randint(1, 3)))
             assert who.delete([PoolTransfer("kv", gone)]).all_ok
             stored = [h for h in stored if h not in gone]
+        elif stored and r < 0.5:
+            # Keys in segments the late store has not listed yet: written again, newer.
+            unseen = [h for h in stored if h not in late._index.entries] or stored
+            again = rng.sample(unseen, min(len(unseen), rng.randint(1, 3)))
+            assert put(late, again) == [True] * len(again)
         else:
             new = [next(fresh) for _ in range(rng.randint(1, 2))]
             assert put(who, new) == [True] * len(new)
             stored += new
-        for x in (a, b):
+        if rng.random() < 0.2:
+            with late._index.mutex:
+                late._index.forget_listing_locked()
+        for x in stores:
             with x._index.mutex:
                 x._index.refresh_locked(tail=True)
                 got = x._compactor._candidate_locked()
                 want = _scan(x)
                 assert (None if got is None else got.live_bytes / got.end) == want
     assert served(a, stored) == [True] * len(stored)
-    a.close()
-    b.close()
+    for x in stores:
+        x.close()

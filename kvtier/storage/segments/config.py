@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -46,9 +47,12 @@ class SegmentBackendConfig:
     list_interval_s: listings of the root that its changes prompt are at least this far apart
         (the first, at start-up, is never held back). A listing costs O(files in the root)
         (20,000 files: ~13 ms on a 2-core VM) and this process's own segment rolls change the
-        root, so without it a put stream with a large root would list it on every batch. Another
-        process's new segments, and the records and tombstones in them, are seen within this
-        long; its later records in a segment already seen come through its journal at once.
+        root, so without it a put stream with a large root would list it on every batch; and
+        listings are at least ten times their own time apart (a root of many files is listed at
+        most ~10% of the time). Another process's new segments, and the records and tombstones
+        in them, are seen within max(list_interval_s, 10 x the listing's time); its later records
+        in a segment already seen come through its journal at once. ``delete`` of a key this
+        process has not seen lists at once.
     compact_below: a finished segment whose live records (those the index still serves from it)
         take less than this fraction of its record bytes is compacted: its live records are
         copied into this process's active segment and it is deleted. 0 turns compaction off.
@@ -100,8 +104,10 @@ class SegmentBackendConfig:
             raise ValueError(f"verify must be 'always' or 'once', got {self.verify!r}")
         for name in ("lock_timeout_s", "touch_interval_s", "list_interval_s"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-                raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         value = self.compact_below
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
             raise ValueError(f"compact_below must be a number in [0, 1), got {value!r}")

@@ -161,8 +161,7 @@ class Index:
             every = max(self._list_every_ns, 10 * self._list_cost_ns)
             if self._dir_mtime == -1 or now - self._listed_at >= every:
                 self._dir_mtime, self._listed_at = mtime, now
-                self._rescan_locked()
-                self._list_cost_ns = time.monotonic_ns() - now
+                self._rescan_locked(now)
                 looked = True
         if tail:
             for seg in [s for s in self.segments.values() if s.jfd is not None]:
@@ -173,7 +172,7 @@ class Index:
         """List the root again on the next call."""
         self._dir_mtime = -1
 
-    def _rescan_locked(self) -> None:
+    def _rescan_locked(self, started_ns: int) -> None:
         try:
             names = set(os.listdir(self._dirfd))
         except OSError as e:
@@ -181,16 +180,26 @@ class Index:
             return
         data, journals = self._data, self._journals
         for name in self._names - names:
-            (data if name.endswith(".kvs") else journals).discard(name[:-4])
+            if NAME.fullmatch(name) is not None:
+                (data if name.endswith(".kvs") else journals).discard(name[:-4])
         for name in names - self._names:
             m = NAME.fullmatch(name)
             if m is not None:
                 (data if m["ext"] == "kvs" else journals).add(name[:-4])
         self._names = names
+        # The listing's own cost (what the rate limit scales with): the journals read below are
+        # new records, paid once whatever the cadence.
+        self._list_cost_ns = time.monotonic_ns() - started_ns
         active = {seg.stem for seg in self.active}
-        for stem in self.segments.keys() - data - active:
+        gone = self.segments.keys() - data - active
+        for stem in gone:
             self.remove_locked(self.segments[stem])
         latest = self._latest
+        if gone:
+            # Writers whose segments are all gone: nothing of theirs is left to mark final.
+            alive = {seg.writer for seg in self.segments.values()}
+            for writer in latest.keys() - alive:
+                del latest[writer]
         for stem in sorted((data & journals) - self.segments.keys()):
             writer, _, number = stem.rpartition("-")
             if writer in self.writers:
@@ -394,8 +403,17 @@ class Index:
     def close_locked(self) -> None:
         for seg in self.segments.values():
             seg.close()
-        self.segments.clear()
-        self._open.clear()
-        self.entries.clear()
-        self.tombs.clear()
-        self.active.clear()
+        for books in (
+            self.segments,
+            self._open,
+            self.entries,
+            self.tombs,
+            self.active,
+            self.changed,
+            self._names,
+            self._data,
+            self._journals,
+            self._latest,
+        ):
+            books.clear()
+        self._dir_mtime = -1

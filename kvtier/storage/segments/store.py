@@ -245,7 +245,13 @@ class SegmentBackend(StorageBackend):
         index = self._index
         with index.mutex:
             index.refresh_locked(tail=True)  # another process's newest records die too
-            present = [k for k in dict.fromkeys(object_keys) if k in index.entries]
+            keys = dict.fromkeys(object_keys)
+            if any(k not in index.entries for k in keys):
+                # A key may lie in a segment made since the last listing (which the rate limit
+                # may have held back): list now, or the key would outlive its delete.
+                index.forget_listing_locked()
+                index.refresh_locked(tail=True)
+            present = [k for k in keys if k in index.entries]
         if not present:
             return [True] * len(object_keys)
         with self._append:
