@@ -386,6 +386,9 @@ def test_unsafe_root_is_refused(root: Path, caplog: pytest.LogCaptureFixture) ->
         ("io_threads", -1, ValueError),
         ("file_mode", 0o200, ValueError),
         ("lock_timeout_s", -1, ValueError),
+        ("list_interval_s", float("inf"), ValueError),
+        ("list_interval_s", float("nan"), ValueError),
+        ("touch_interval_s", "1", TypeError),
     ],
 )
 def test_config_validates(root: Path, option: str, value: object, error: type) -> None:
