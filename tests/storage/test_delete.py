@@ -161,9 +161,10 @@ def empty(n: int) -> list[torch.Tensor]:
 
 def test_tombstones_reach_other_processes_and_restarts(tmp_path: Path) -> None:
     root = tmp_path / "l3"
-    # The writer lists at once (what it sees, not when); the deleter keeps the default interval,
-    # and the writer's segment is new since its last listing: its delete must list the root.
-    writer, deleter = segment_store(root, list_interval_s=0), segment_store(root)
+    # The writer lists at once (what it sees, not when); the deleter would not list again for an
+    # hour, and the writer's segment is new since its last listing: its delete must list.
+    writer = segment_store(root, list_interval_s=0)
+    deleter = segment_store(root, list_interval_s=3600)
     h = hashes(4)
     assert writer.set([PoolTransfer("kv", h, pages_of(h))]).all_ok
     assert deleter.delete([PoolTransfer("kv", h[:2])]).all_ok, "another process's records"

@@ -389,6 +389,8 @@ def test_unsafe_root_is_refused(root: Path, caplog: pytest.LogCaptureFixture) ->
         ("list_interval_s", float("inf"), ValueError),
         ("list_interval_s", float("nan"), ValueError),
         ("touch_interval_s", "1", TypeError),
+        ("list_interval_s", 1e300, ValueError),
+        ("compact_below", "0.5", TypeError),
     ],
 )
 def test_config_validates(root: Path, option: str, value: object, error: type) -> None:
@@ -542,9 +544,9 @@ def test_another_process_pages_seen_within_the_list_interval(root: Path) -> None
     them by a call within the interval plus a generous slack for a loaded machine."""
     a = create_backend("file", root=root)
     reader = create_backend("file", root=root, list_interval_s=0.05)
-    assert reader.exists([PoolTransfer("kv", H[:10])]) == 0  # listed now: the clock starts
+    assert reader.exists([PoolTransfer("kv", H[:10])]) == 0
     assert put(a, H[:10]) == [True] * 10
-    deadline = time.monotonic() + 0.05 + 2.0
+    deadline = time.monotonic() + 0.05 + 1.0
     while reader.exists([PoolTransfer("kv", H[:10])]) != 10:
         assert time.monotonic() < deadline, "another store's pages not seen within the interval"
     assert served(reader, H[:10]) == [True] * 10
@@ -586,3 +588,69 @@ def test_journals_read_at_start_up_do_not_hold_listings_back(root: Path, monkeyp
     with b._index.mutex:
         assert b._index._list_cost_ns < 100_000_000, b._index._list_cost_ns
     b.close()
+
+
+def test_a_closed_store_never_touches_the_root_that_reuses_its_descriptor(root: Path) -> None:
+    """After ``close()`` the descriptor numbers a store held may name another root: its calls
+    fail their pages (and ``clear`` raises) instead of reading or deleting the other root's."""
+    a = create_backend("file", root=root / "a")
+    assert put(a, H[:2]) == [True, True]
+    a.close()
+    b = create_backend("file", root=root / "b")  # likely takes a's old descriptor numbers
+    assert put(b, H[10:14]) == [True] * 4
+    assert a.exists([PoolTransfer("kv", H[10:14])]) == 0
+    assert a.get([PoolTransfer("kv", H[10:14], empty(4))]).ok["kv"] == [False] * 4
+    assert a.delete([PoolTransfer("kv", H[10:14])]).ok["kv"] == [False] * 4
+    assert put(a, H[20:22]) == [False, False]
+    with pytest.raises(ValueError, match="used after close"):
+        a.object_keys()
+    with pytest.raises(ValueError, match="used after close"):
+        a.clear()
+    assert served(b, H[10:14]) == [True] * 4
+    assert sorted(b.object_keys()) == sorted(KeyScope().object_keys(H[10:14], "kv"))
+    b.close()
+
+
+def test_start_up_over_more_segments_than_descriptors(tmp_path: Path) -> None:
+    """A root of more segments than the descriptor limit is indexed whole at start-up (one new
+    journal open at a time), in a child process whose soft limit is 128."""
+    script = f"""
+    import resource
+    root = {str(tmp_path / "l3")!r}
+    record = {RECORD}
+    w = create_backend("file", root=root, segment_bytes=record, list_interval_s=0)
+    assert all(w.set([PoolTransfer("kv", [h], [src(h)])]).all_ok for h in H[:200])
+    w.close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+    r = create_backend("file", root=root)
+    print("seen", r.exists([PoolTransfer("kv", H[:200])]))
+    """
+    code = "import sys, torch\n" + CHILD_PRELUDE + textwrap.dedent(script)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "seen 200" in out.stdout, out.stdout
+
+
+def test_only_segment_names_leave_the_name_books(root: Path) -> None:
+    """A file of another extension sharing a segment's stem comes and goes without the segment
+    leaving the books; a writer whose segments are all gone is forgotten."""
+    w = create_backend("file", root=root, segment_bytes=2 * RECORD, list_interval_s=0)
+    assert put(w, H[:3]) == [True] * 3  # two segments: the first finished
+    r = create_backend("file", root=root, list_interval_s=0)
+    first = sorted(p.stem for p in root.glob("*.kvs"))[0]
+    stray = root / f"{first}.tmp"
+    stray.write_bytes(b"")
+    assert r.exists([PoolTransfer("kv", H[:3])]) == 3
+    stray.unlink()
+    with r._index.mutex:
+        r._index.forget_listing_locked()  # the root's mtime may not have moved (coarse clock)
+        r._index.refresh_locked(tail=True)
+        assert first in r._index._journals and first in r._index._data
+        assert r._index._latest and set(r._index._latest) <= w._index.writers
+    w.clear()  # every segment of the root: w's own active one too
+    w.close()
+    assert r.exists([PoolTransfer("kv", H[:3])]) == 0
+    with r._index.mutex:
+        assert r._index._latest == {}, "a writer with no segments left is forgotten"
+    r.close()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
 from kvtier.storage.base import check_modes
 
 __all__ = ["SegmentBackendConfig"]
+
+
+_MAX_SECONDS = 1e6  # the time knobs' bound (11.6 days): larger ones overflow ns counters
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,12 @@ class SegmentBackendConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-            if not 0 <= value < math.inf:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            if not 0 <= value <= _MAX_SECONDS:
+                raise ValueError(f"{name} must be a number in [0, {_MAX_SECONDS:g}], got {value!r}")
         value = self.compact_below
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 1:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"compact_below must be a number, got {type(value).__name__} {value!r}")
+        if not 0 <= value < 1:
             raise ValueError(f"compact_below must be a number in [0, 1), got {value!r}")
 
     @property

@@ -8,9 +8,12 @@ name, then sequence number: the entry's place in its journal) wins; the other is
 bytes, so eviction can prefer dead segments and compaction can find half-dead ones.
 
 Other processes. Every call checks the root's mtime (one ``fstat``) and lists the root when it
-changed; a call with a key the index lacks also reads what the other writers' latest journals
-gained since the last look. So a page another process has written is found by the next call that
-asks for it. A segment missing from a listing is forgotten (its keys leave the index).
+changed, at most every max(``list_interval_s``, ten times the last listing's own time) (a forced
+listing, ``forget_listing_locked``, never waits); a call with a key the index lacks also reads
+what the other writers' journals still open gained since the last look. So a page another
+process has written in a segment already seen is found by the next call that asks for it, and
+one in a new segment within that interval. A segment missing from a listing is forgotten (its
+keys leave the index).
 
 Descriptors. A segment's read descriptor is opened on first use and kept in a least recently used
 set of at most ``open_segments``; reads pin the descriptors they use, and a pinned one is never
@@ -168,6 +171,11 @@ class Index:
                 self._tail_locked(seg)
         return looked
 
+    @property
+    def listed_at(self) -> int:
+        """``time.monotonic_ns()`` of the last listing of the root."""
+        return self._listed_at
+
     def forget_listing_locked(self) -> None:
         """List the root again on the next call."""
         self._dir_mtime = -1
@@ -200,24 +208,32 @@ class Index:
             alive = {seg.writer for seg in self.segments.values()}
             for writer in latest.keys() - alive:
                 del latest[writer]
+        new = []
         for stem in sorted((data & journals) - self.segments.keys()):
             writer, _, number = stem.rpartition("-")
             if writer in self.writers:
                 continue  # our own leftovers (an append that failed): never served
+            new.append((stem, writer, int(number)))
+            latest[writer] = max(latest.get(writer, -1), int(number))
+        for seg in [s for s in self.segments.values() if s.jfd is not None]:
+            self._catch_up_locked(seg)
+        # One new journal open at a time (each writer's newest stays open): a root of more
+        # segments than the descriptor limit is indexed whole.
+        for stem, writer, number in new:
             jfd = open_regular(self._dirfd, stem + ".kvj")
             if jfd is None:
-                continue  # not a regular file: never ours to serve
+                continue  # not a regular file (or no descriptor left): never served
             # The segment file is opened (and checked to be a regular file) when first read.
-            self.segments[stem] = Segment(stem, writer, int(number), -1, jfd)
-            latest[writer] = max(latest.get(writer, -1), int(number))
-        for seg in self.segments.values():
-            if seg.jfd is not None:
-                self._tail_locked(seg)
-                if seg.jfd is not None and seg.number < latest.get(seg.writer, -1):
-                    # Its writer moved on: the journal is final.
-                    os.close(seg.jfd)
-                    seg.jfd = None
-                    self.changed.add(seg)
+            seg = self.segments[stem] = Segment(stem, writer, number, -1, jfd)
+            self._catch_up_locked(seg)
+
+    def _catch_up_locked(self, seg: Segment) -> None:
+        """Tail ``seg``'s journal; close it once its writer has moved on (it is final)."""
+        self._tail_locked(seg)
+        if seg.jfd is not None and seg.number < self._latest.get(seg.writer, -1):
+            os.close(seg.jfd)
+            seg.jfd = None
+            self.changed.add(seg)
 
     def _tail_locked(self, seg: Segment) -> None:
         """Index the entries ``seg``'s journal gained since the last look."""
@@ -417,3 +433,4 @@ class Index:
         ):
             books.clear()
         self._dir_mtime = -1
+        self._dirfd = -1  # the number may be reused by another root: never list or open by it

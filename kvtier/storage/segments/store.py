@@ -177,9 +177,15 @@ class SegmentBackend(StorageBackend):
                     self._pools[direction] = pool
         return pool
 
+    def _check_open(self) -> None:
+        """A closed backend's descriptor numbers may belong to another root by now: refuse."""
+        if self._dirfd < 0:
+            raise ValueError(f"segment store {self.root}: used after close()")
+
     # -- StorageBackend --------------------------------------------------------------------------
 
     def _contains(self, object_keys: list[str]) -> list[bool]:
+        self._check_open()
         index = self._index
         with index.mutex:
             entries = index.entries
@@ -187,12 +193,14 @@ class SegmentBackend(StorageBackend):
             return [k in entries for k in object_keys]
 
     def _read(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
+        self._check_open()
         ok, bad = self._reader.read(object_keys, pages)
         if bad:
             self.metrics.add_checksum_miss(bad)
         return ok
 
     def _write(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
+        self._check_open()
         n = len(object_keys)
         out = [False] * n
         todo: list[int] = []
@@ -242,11 +250,13 @@ class SegmentBackend(StorageBackend):
     def _delete(self, object_keys: list[str]) -> list[bool]:
         """Tombstones in this process's journal for the keys the root holds (see the module
         docstring); a key it does not hold is gone already."""
+        self._check_open()
         index = self._index
         with index.mutex:
+            listed = index.listed_at
             index.refresh_locked(tail=True)  # another process's newest records die too
             keys = dict.fromkeys(object_keys)
-            if any(k not in index.entries for k in keys):
+            if index.listed_at == listed and any(k not in index.entries for k in keys):
                 # A key may lie in a segment made since the last listing (which the rate limit
                 # may have held back): list now, or the key would outlive its delete.
                 index.forget_listing_locked()
@@ -263,6 +273,7 @@ class SegmentBackend(StorageBackend):
     def clear(self) -> None:
         """Delete every segment in the root that no live writer holds (another process's active
         segment stays, with its pages)."""
+        self._check_open()
         with self._append:
             self._writer.close(delete=True)
             try:
@@ -302,6 +313,7 @@ class SegmentBackend(StorageBackend):
     @property
     def used_bytes(self) -> int:
         """Bytes of every segment and journal in the root (all processes), as listed now."""
+        self._check_open()
         return self._space.used_bytes()
 
     @property
@@ -313,12 +325,14 @@ class SegmentBackend(StorageBackend):
 
     def object_keys(self) -> list[str]:
         """Every object key the root holds, as this process's index sees it after catching up."""
+        self._check_open()
         with self._index.mutex:
             self._index.refresh_locked(tail=True)
             return list(self._index.entries)
 
     def locate(self, object_key: str) -> RecordSpan | None:
         """Where the record of ``object_key`` lies, or None: for tools and fault-injection tests."""
+        self._check_open()
         index = self._index
         with index.mutex:
             index.refresh_locked(tail=object_key not in index.entries)
