@@ -130,6 +130,13 @@ BAD_CALLS = [
     ("match-empty", lambda c, r, x: c.match([]), ValueError, "token_ids"),
     ("match-negative", lambda c, r, x: c.match([1, -1, 2]), ValueError, "token_ids"),
     ("match-huge", lambda c, r, x: c.match([1, 2**63]), ValueError, "token_ids"),
+    ("match-below-int64", lambda c, r, x: c.match([3, -(2**64), 2]), ValueError, "-18446744"),
+    (
+        "match-huge-uint64",
+        lambda c, r, x: c.match(np.array([2**63], np.uint64)),
+        ValueError,
+        "2\\*\\*63",
+    ),
     ("match-ns-list", lambda c, r, x: c.match([1, 2], namespace=["a"]), TypeError, "namespace"),
     ("match-ns-float", lambda c, r, x: c.match([1, 2], namespace=1.5), TypeError, "namespace"),
     (
