@@ -252,9 +252,10 @@ class HostCopier:
     def _plan_kernel(
         self, route: Route, d_items: np.ndarray, h_items: np.ndarray, d2h: bool, nbytes: int
     ) -> CopyPlan:
-        device = self.dev.device
-        d = torch.from_numpy(np.ascontiguousarray(d_items)).to(device, non_blocking=True)
-        h = torch.from_numpy(np.ascontiguousarray(h_items)).to(device, non_blocking=True)
+        # Both index arrays in one upload (each ``.to`` costs ~35 us of CPU on an H100 host,
+        # on the critical path of a load's lead layer).
+        both = torch.from_numpy(np.stack((d_items, h_items))).to(self.dev.device, non_blocking=True)
+        d, h = both[0], both[1]
         dev, host, knobs = self.dev, self.host, self.knobs
 
         def issue(layer: int | None) -> None:
