@@ -43,6 +43,9 @@ class SegmentBackendConfig:
     verify: when a read checks a record's checksum: ``"always"``, or ``"once"`` per record this
         process did not see written completely (its own appends are trusted, another's record
         once it verified). ``"once"`` trusts the disk not to change bytes it has returned.
+    The time knobs (``lock_timeout_s``, ``touch_interval_s``, ``list_interval_s``) take seconds
+    in [0, 1e6].
+
     lock_timeout_s: longest wait for the root lock (taken to create or delete segments); a write
         that cannot get it fails its pages.
     touch_interval_s: a read stamps the mtime of a segment it reads at most this often.

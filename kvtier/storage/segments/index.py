@@ -26,6 +26,7 @@ Every method whose name ends in ``_locked`` needs ``mutex`` held.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -162,9 +163,10 @@ class Index:
             # At least list_interval_s apart, and ten times the last listing's own time (a
             # root of many files is listed at most ~10% of the time).
             every = max(self._list_every_ns, 10 * self._list_cost_ns)
-            if self._dir_mtime == -1 or now - self._listed_at >= every:
+            if (self._dir_mtime == -1 or now - self._listed_at >= every) and self._rescan_locked(
+                now
+            ):
                 self._dir_mtime, self._listed_at = mtime, now
-                self._rescan_locked(now)
                 looked = True
         if tail:
             for seg in [s for s in self.segments.values() if s.jfd is not None]:
@@ -180,12 +182,13 @@ class Index:
         """List the root again on the next call."""
         self._dir_mtime = -1
 
-    def _rescan_locked(self, started_ns: int) -> None:
+    def _rescan_locked(self, started_ns: int) -> bool:
+        """List the root and catch up with what changed; False if it could not be listed."""
         try:
             names = set(os.listdir(self._dirfd))
         except OSError as e:
             log.warning("segment store %s: cannot list the root: %s", self.root, e)
-            return
+            return False
         data, journals = self._data, self._journals
         for name in self._names - names:
             if NAME.fullmatch(name) is not None:
@@ -217,8 +220,8 @@ class Index:
             latest[writer] = max(latest.get(writer, -1), int(number))
         for seg in [s for s in self.segments.values() if s.jfd is not None]:
             self._catch_up_locked(seg)
-        # One new journal open at a time (each writer's newest stays open): a root of more
-        # segments than the descriptor limit is indexed whole.
+        # One new journal open at a time (only a live writer's newest stays open): a root of
+        # more segments than the descriptor limit is indexed whole.
         for stem, writer, number in new:
             jfd = open_regular(self._dirfd, stem + ".kvj")
             if jfd is None:
@@ -226,14 +229,41 @@ class Index:
             # The segment file is opened (and checked to be a regular file) when first read.
             seg = self.segments[stem] = Segment(stem, writer, number, -1, jfd)
             self._catch_up_locked(seg)
+        return True
 
     def _catch_up_locked(self, seg: Segment) -> None:
-        """Tail ``seg``'s journal; close it once its writer has moved on (it is final)."""
-        self._tail_locked(seg)
-        if seg.jfd is not None and seg.number < self._latest.get(seg.writer, -1):
+        """Tail ``seg``'s journal; close it once it is final: its writer moved on to a newer
+        segment, or holds it no more (finished it, or exited or died: ``_released``)."""
+        if seg.number >= self._latest.get(seg.writer, -1) and self._released(seg):
+            self._tail_locked(seg)  # after the release: every entry it will ever have
+        else:
+            self._tail_locked(seg)
+            if seg.number >= self._latest.get(seg.writer, -1):
+                return
+        if seg.jfd is not None:
             os.close(seg.jfd)
             seg.jfd = None
             self.changed.add(seg)
+
+    def _released(self, seg: Segment) -> bool:
+        """Whether no writer holds ``seg`` (a writer keeps ``flock(LOCK_SH)`` on its active
+        segment from before its journal exists until it has journaled its last entry; the kernel
+        drops it when the process dies): ``LOCK_EX | LOCK_NB`` taken and dropped at once. So a
+        dead writer's newest journal does not stay open here for as long as its segment lives
+        (one descriptor per restart of every process on the root)."""
+        fd = seg.fd if seg.fd >= 0 else open_regular(self._dirfd, seg.stem + ".kvs")
+        if fd is None:
+            return False  # gone, or no descriptor left: try again at the next listing
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its writer holds it (or a compactor or an eviction, for a moment)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return True
+        finally:
+            if fd != seg.fd:
+                os.close(fd)
 
     def _tail_locked(self, seg: Segment) -> None:
         """Index the entries ``seg``'s journal gained since the last look."""

@@ -41,19 +41,25 @@ O_NONBLOCK`` and used only when ``fstat`` shows a regular file (a symlink, FIFO,
 device in place of a segment or journal is ignored, never followed or deleted); the root is
 created 0700 and files 0600 whatever the umask, and a root others can write is refused. Every call
 is bounded: file syscalls on a local disk, and a root lock given up after ``lock_timeout_s``.
+
+Close: ``close`` refuses new calls at once, waits for those in flight on other threads (each
+bounded), then finishes the active segment and closes every descriptor; a closed store's page
+calls fail their pages and its other calls raise ``ValueError``, so a descriptor number another
+file reuses is never touched.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from kvtier.metrics import TierMetrics
 from kvtier.storage.base import Parts, StorageBackend
@@ -98,6 +104,57 @@ class RecordSpan(NamedTuple):
     size: int
 
 
+T = TypeVar("T")
+
+
+class _Gate:
+    """Calls in flight, and ``close``: a call enters unless the store is closed (then it is
+    refused); ``close`` shuts the gate and waits for the calls inside to leave before any
+    descriptor is closed, so no call ever uses a descriptor number another file reuses."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._cv = threading.Condition()
+        self._inside = 0
+        self.closed = False
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        with self._cv:
+            if self.closed:
+                raise ValueError(f"segment store {self._root}: used after close()")
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._inside -= 1
+                if not self._inside:
+                    self._cv.notify_all()
+
+    def shut(self) -> bool:
+        """Refuse new calls and wait for those inside (each ends in bounded time); False if the
+        gate was shut already."""
+        with self._cv:
+            if self.closed:
+                return False
+            self.closed = True
+            while self._inside:
+                self._cv.wait()
+        return True
+
+
+def _gated(method: Callable[..., T]) -> Callable[..., T]:
+    """Run ``method`` inside the store's gate (``_Gate``)."""
+
+    @functools.wraps(method)
+    def gated(self: SegmentBackend, *args: Any, **kwargs: Any) -> T:
+        with self._gate.call():
+            return method(self, *args, **kwargs)
+
+    return gated
+
+
 class SegmentBackend(StorageBackend):
     """Page records in append-only segment files; see the module docstring for the rules."""
 
@@ -120,6 +177,7 @@ class SegmentBackend(StorageBackend):
             if cap is None
             else min(_SEGMENT_BYTES, max(cap // (8 * config.lanes), 1))
         )
+        self._gate = _Gate(self.root)
         self._append = threading.Lock()  # this process's appends (and compactions), in order
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pools_mutex = threading.Lock()
@@ -177,30 +235,25 @@ class SegmentBackend(StorageBackend):
                     self._pools[direction] = pool
         return pool
 
-    def _check_open(self) -> None:
-        """A closed backend's descriptor numbers may belong to another root by now: refuse."""
-        if self._dirfd < 0:
-            raise ValueError(f"segment store {self.root}: used after close()")
-
     # -- StorageBackend --------------------------------------------------------------------------
 
+    @_gated
     def _contains(self, object_keys: list[str]) -> list[bool]:
-        self._check_open()
         index = self._index
         with index.mutex:
             entries = index.entries
             index.refresh_locked(tail=any(k not in entries for k in object_keys))
             return [k in entries for k in object_keys]
 
+    @_gated
     def _read(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
-        self._check_open()
         ok, bad = self._reader.read(object_keys, pages)
         if bad:
             self.metrics.add_checksum_miss(bad)
         return ok
 
+    @_gated
     def _write(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
-        self._check_open()
         n = len(object_keys)
         out = [False] * n
         todo: list[int] = []
@@ -247,10 +300,10 @@ class SegmentBackend(StorageBackend):
             out[i] = out[j]
         return out
 
+    @_gated
     def _delete(self, object_keys: list[str]) -> list[bool]:
         """Tombstones in this process's journal for the keys the root holds (see the module
         docstring); a key it does not hold is gone already."""
-        self._check_open()
         index = self._index
         with index.mutex:
             listed = index.listed_at
@@ -270,10 +323,10 @@ class SegmentBackend(StorageBackend):
 
     # -- lifecycle -------------------------------------------------------------------------------
 
+    @_gated
     def clear(self) -> None:
         """Delete every segment in the root that no live writer holds (another process's active
         segment stays, with its pages)."""
-        self._check_open()
         with self._append:
             self._writer.close(delete=True)
             try:
@@ -284,9 +337,12 @@ class SegmentBackend(StorageBackend):
                 self._index.forget_listing_locked()
 
     def close(self) -> None:
-        """Finish the active segment, stop the IO threads and close every descriptor; the backend
-        is unusable afterwards."""
-        if getattr(self, "_dirfd", -1) < 0:
+        """Finish the active segment, stop the IO threads and close every descriptor, once the
+        calls in flight (on other threads) have returned. The backend is unusable afterwards:
+        page calls fail their pages (``set``/``get``/``delete``: False, ``exists``: none), and
+        ``clear``, ``object_keys``, ``locate``, ``used_bytes`` and ``open_descriptors`` raise
+        ``ValueError``. A second ``close`` does nothing."""
+        if getattr(self, "_dirfd", -1) < 0 or not self._gate.shut():
             return
         with self._append:
             if hasattr(self, "_writer"):
@@ -311,28 +367,29 @@ class SegmentBackend(StorageBackend):
     # -- for tools and tests ---------------------------------------------------------------------
 
     @property
+    @_gated
     def used_bytes(self) -> int:
         """Bytes of every segment and journal in the root (all processes), as listed now."""
-        self._check_open()
         return self._space.used_bytes()
 
     @property
+    @_gated
     def open_descriptors(self) -> int:
         """Segment descriptors this process keeps open for reading (at most ``open_segments``
         while no read is in flight)."""
         with self._index.mutex:
             return self._index.open_descriptors
 
+    @_gated
     def object_keys(self) -> list[str]:
         """Every object key the root holds, as this process's index sees it after catching up."""
-        self._check_open()
         with self._index.mutex:
             self._index.refresh_locked(tail=True)
             return list(self._index.entries)
 
+    @_gated
     def locate(self, object_key: str) -> RecordSpan | None:
         """Where the record of ``object_key`` lies, or None: for tools and fault-injection tests."""
-        self._check_open()
         index = self._index
         with index.mutex:
             index.refresh_locked(tail=object_key not in index.entries)
