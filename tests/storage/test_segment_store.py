@@ -665,23 +665,29 @@ def test_only_segment_names_leave_the_name_books(root: Path) -> None:
     r.close()
 
 
-def test_close_waits_for_the_calls_in_flight(root: Path) -> None:
-    """``close`` on one thread while another thread's put is inside the store: the gate shuts
-    at once (new calls are refused), the put finishes with its pages stored, and only then are
-    the descriptors closed; a new store on the root serves the pages."""
+@pytest.mark.parametrize("call", ["put", "get"])
+def test_close_waits_for_the_calls_in_flight(root: Path, call: str) -> None:
+    """``close`` on one thread while another thread's call is inside the store (a put inside
+    the writer, or a get inside the reader, which holds no lock ``close`` takes): the gate shuts
+    at once (new calls are refused), ``close`` waits until the call has finished with its pages
+    right, and only then closes the descriptors; a new store on the root serves the pages."""
     b = create_backend("file", root=root)
+    if call == "get":
+        assert put(b, H[:2]) == [True, True]
     entered, release = threading.Event(), threading.Event()
-    append = b._writer.append
+    owner, name = (b._writer, "append") if call == "put" else (b._reader, "read")
+    inner = getattr(owner, name)
 
-    def held_append(*args, **kwargs):
+    def held(*args, **kwargs):
         entered.set()
         assert release.wait(BOUND_S)
-        return append(*args, **kwargs)
+        return inner(*args, **kwargs)
 
-    b._writer.append = held_append
+    setattr(owner, name, held)
     got: dict[str, object] = {}
-    putter = threading.Thread(target=lambda: got.setdefault("put", put(b, H[:2])))
-    putter.start()
+    work = (lambda: put(b, H[:2])) if call == "put" else (lambda: served(b, H[:2]))
+    caller = threading.Thread(target=lambda: got.setdefault(call, work()))
+    caller.start()
     assert entered.wait(BOUND_S)
     closer = threading.Thread(target=b.close)
     closer.start()
@@ -689,15 +695,68 @@ def test_close_waits_for_the_calls_in_flight(root: Path) -> None:
     while not b._gate.closed:
         assert time.monotonic() < deadline, "close never shut the gate"
     assert put(b, H[4:6]) == [False, False], "a call after close began is refused"
-    assert closer.is_alive(), "close returned while a put was inside the store"
+    assert closer.is_alive(), "close returned while a call was inside the store"
     release.set()
-    putter.join(BOUND_S)
+    caller.join(BOUND_S)
     closer.join(BOUND_S)
-    assert not putter.is_alive() and not closer.is_alive()
-    assert got["put"] == [True, True]
+    assert not caller.is_alive() and not closer.is_alive()
+    assert got[call] == [True, True]
     again = create_backend("file", root=root)
     assert served(again, H[:2]) == [True, True]
     again.close()
+
+
+def test_close_from_inside_a_call_on_the_same_thread_refuses(root: Path) -> None:
+    """A ``close`` made by the thread that is inside a call (a signal handler that runs in the
+    middle of a put, say) raises ``RuntimeError`` instead of waiting for itself forever; the
+    store stays open and works."""
+    b = create_backend("file", root=root)
+    append = b._writer.append
+    raised: list[BaseException] = []
+
+    def closing_append(*args, **kwargs):
+        try:
+            b.close()
+        except RuntimeError as e:
+            raised.append(e)
+        return append(*args, **kwargs)
+
+    b._writer.append = closing_append
+    assert bounded(lambda: put(b, H[:2])) == [True, True]
+    assert len(raised) == 1 and "same thread" in str(raised[0])
+    b._writer.append = append
+    assert put(b, H[2:4]) == [True, True] and served(b, H[:4]) == [True] * 4
+    b.close()
+    assert put(b, H[4:6]) == [False, False]
+
+
+def test_a_root_that_cannot_be_listed_is_retried_at_the_interval(root: Path, monkeypatch) -> None:
+    """A listing that fails (no descriptor left, say) is logged and retried, but at the rate
+    limit's pace, not on every call; once it works again the store catches up."""
+    import kvtier.storage.segments.index as index_module
+
+    b = create_backend("file", root=root, list_interval_s=3600)
+    other = create_backend("file", root=root, list_interval_s=0)
+    assert put(other, H[:2]) == [True, True]
+    tries = [0]
+    listdir = os.listdir
+
+    def failing(fd):
+        tries[0] += 1
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(index_module.os, "listdir", failing)
+    with b._index.mutex:
+        b._index.forget_listing_locked()
+    for _ in range(20):
+        assert b.exists([PoolTransfer("kv", H[:2])]) == 0
+    assert tries[0] == 1, "a failing listing is retried at the interval, not on every call"
+    monkeypatch.setattr(index_module.os, "listdir", listdir)
+    with b._index.mutex:
+        b._index.forget_listing_locked()
+    assert b.exists([PoolTransfer("kv", H[:2])]) == 2
+    other.close()
+    b.close()
 
 
 @pytest.mark.parametrize("how", ["close", "kill"])

@@ -4,7 +4,8 @@ bytes has them copied into this process's active segment, and is then deleted.
 Records die when a newer record of the same key is journaled (two processes that stored one key
 at once, or an earlier compaction) or when they fail verification. A candidate is a finished
 segment: this process's own once it moved on, or another writer's whose journal is final (its
-writer moved on to a newer segment; a dead writer's last segment is only ever evicted). The
+writer moved on to a newer segment, or finished or died: ``Index._released``). Tombstones are
+not copied: a segment's tombstones last as long as it does (the store module's Delete rule). The
 compactor holds ``flock(LOCK_EX)`` on the candidate from before it reads the live records until
 after it deleted the files, so two processes never compact one segment at once, and a writer's
 active segment (``LOCK_SH``) is never taken. Every copied record is verified first (a bad one is

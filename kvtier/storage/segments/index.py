@@ -51,6 +51,7 @@ _JOURNAL_READ = 16 << 20  # bytes of a journal read per pread while tailing
 # the same tick as the last listing leaves it unchanged, so a lookup that misses lists the root
 # again while its mtime is this recent.
 _COARSE_NS = 1_000_000_000
+_RETRY = -2  # ``Index._dir_mtime`` after a failed listing: unlike -1, it waits its turn
 
 
 class Segment:
@@ -139,7 +140,8 @@ class Index:
         # Listings the root's changes prompt are at least this far apart (SegmentBackendConfig.
         # list_interval_s); a forced one (the first, ``forget_listing_locked``) never waits.
         self._list_every_ns = int(list_interval_s * 1e9)
-        self._listed_at = 0  # time.monotonic_ns() of the last listing
+        self._listed_at = 0  # time.monotonic_ns() of the last listing attempted
+        self.listings = 0  # listings done
         self._list_cost_ns = 0  # how long the last listing took
         # The last listing's names, and the stems of those that are segment (``kvs``) and
         # journal (``kvj``) files: a listing parses only the names that are new since.
@@ -163,20 +165,20 @@ class Index:
             # At least list_interval_s apart, and ten times the last listing's own time (a
             # root of many files is listed at most ~10% of the time).
             every = max(self._list_every_ns, 10 * self._list_cost_ns)
-            if (self._dir_mtime == -1 or now - self._listed_at >= every) and self._rescan_locked(
-                now
-            ):
-                self._dir_mtime, self._listed_at = mtime, now
-                looked = True
+            if self._dir_mtime == -1 or now - self._listed_at >= every:
+                # Attempts count for the rate limit (a root that cannot be listed, say with no
+                # descriptor left, is retried at that pace, not on every call).
+                self._listed_at = now
+                if self._rescan_locked(now):
+                    self._dir_mtime = mtime
+                    self.listings += 1
+                    looked = True
+                else:
+                    self._dir_mtime = _RETRY  # not the root's mtime: retried, rate-limited
         if tail:
             for seg in [s for s in self.segments.values() if s.jfd is not None]:
                 self._tail_locked(seg)
         return looked
-
-    @property
-    def listed_at(self) -> int:
-        """``time.monotonic_ns()`` of the last listing of the root."""
-        return self._listed_at
 
     def forget_listing_locked(self) -> None:
         """List the root again on the next call."""

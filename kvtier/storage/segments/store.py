@@ -109,35 +109,46 @@ T = TypeVar("T")
 
 class _Gate:
     """Calls in flight, and ``close``: a call enters unless the store is closed (then it is
-    refused); ``close`` shuts the gate and waits for the calls inside to leave before any
+    refused); ``shut`` refuses new calls and waits for those inside to leave before any
     descriptor is closed, so no call ever uses a descriptor number another file reuses."""
 
     def __init__(self, root: Path) -> None:
         self._root = root
-        self._cv = threading.Condition()
-        self._inside = 0
+        self._cv = threading.Condition(threading.Lock())
+        self._inside: dict[int, int] = {}  # thread id -> calls of that thread inside
         self.closed = False
 
-    @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
+    def enter(self) -> None:
+        ident = threading.get_ident()
         with self._cv:
             if self.closed:
                 raise ValueError(f"segment store {self._root}: used after close()")
-            self._inside += 1
-        try:
-            yield
-        finally:
-            with self._cv:
-                self._inside -= 1
-                if not self._inside:
+            self._inside[ident] = self._inside.get(ident, 0) + 1
+
+    def leave(self) -> None:
+        ident = threading.get_ident()
+        with self._cv:
+            n = self._inside[ident] - 1
+            if n:
+                self._inside[ident] = n
+            else:
+                del self._inside[ident]
+                if self.closed and not self._inside:
                     self._cv.notify_all()
 
     def shut(self) -> bool:
         """Refuse new calls and wait for those inside (each ends in bounded time); False if the
-        gate was shut already."""
+        gate was shut already. From a thread that is itself inside a call (a signal handler run
+        in the middle of one, say) it raises ``RuntimeError`` and changes nothing: waiting for
+        itself would never end, and closing under its own call would let that call reach
+        whatever file reuses the descriptors."""
         with self._cv:
             if self.closed:
                 return False
+            if threading.get_ident() in self._inside:
+                raise RuntimeError(
+                    f"segment store {self._root}: close() from inside a call on the same thread"
+                )
             self.closed = True
             while self._inside:
                 self._cv.wait()
@@ -149,8 +160,12 @@ def _gated(method: Callable[..., T]) -> Callable[..., T]:
 
     @functools.wraps(method)
     def gated(self: SegmentBackend, *args: Any, **kwargs: Any) -> T:
-        with self._gate.call():
+        gate = self._gate
+        gate.enter()
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            gate.leave()
 
     return gated
 
@@ -306,10 +321,10 @@ class SegmentBackend(StorageBackend):
         docstring); a key it does not hold is gone already."""
         index = self._index
         with index.mutex:
-            listed = index.listed_at
+            listed = index.listings
             index.refresh_locked(tail=True)  # another process's newest records die too
             keys = dict.fromkeys(object_keys)
-            if index.listed_at == listed and any(k not in index.entries for k in keys):
+            if index.listings == listed and any(k not in index.entries for k in keys):
                 # A key may lie in a segment made since the last listing (which the rate limit
                 # may have held back): list now, or the key would outlive its delete.
                 index.forget_listing_locked()
