@@ -184,6 +184,7 @@ class HostCopier:
         per_layer: bool,
         check: bool | None = None,
         lead: bool = False,
+        lead_plan: CopyPlan | None = None,
     ) -> CopyPlan:
         """Plan the copy between device slots ``dev_idx`` and host slots ``host_idx``.
 
@@ -196,7 +197,9 @@ class HostCopier:
         forward pass computes, the kernel's SMs are free and its launch starts the copy at
         once, where the copy engine would first spend the batch's enqueue (H100, bench_e2e: the
         first layer waited 1.9 ms, its copy alone takes 0.6 ms). A forced ``"copy_engine"``
-        gets no lead: no copy of it takes SMs.
+        gets no lead: no copy of it takes SMs. ``lead_plan``: this copy's ``plan_lead``, made
+        (and its first layer issued) before: reused as the plan's lead, or as the plan itself
+        where the copy takes the kernel.
         """
         d_items = self._items(dev_idx, "dev_idx")
         h_items = self._items(host_idx, "host_idx")
@@ -214,10 +217,10 @@ class HostCopier:
         call_bytes = layer_bytes if per_layer else layer_bytes * L
         route = self.route(d2h=d2h, call_bytes=call_bytes)
         if route.path == self.kernel_path:
-            return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L)
+            return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L, lead_plan)
         d_pages, h_pages = self._pages(d_items), self._pages(h_items)
         if route.path == "staged":
-            return self._plan_staged(route, d_pages, h_pages, d2h, per_layer)
+            return _with_lead(self._plan_staged(route, d_pages, h_pages, d2h, per_layer), lead_plan)
         geom = self.geometry
 
         @functools.cache
@@ -233,15 +236,33 @@ class HostCopier:
             # Weigh what enqueueing this batch costs: its largest call's descriptors.
             route = self.route(d2h=d2h, call_bytes=call_bytes, descriptors=most)
             if route.path == "staged":
-                return self._plan_staged(route, d_pages, h_pages, d2h, per_layer)
+                plan = self._plan_staged(route, d_pages, h_pages, d2h, per_layer)
+                return _with_lead(plan, lead_plan)
             if route.path != "copy_engine":
-                return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L)
+                return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L, lead_plan)
         plan = self._plan_engine(route, build, most, layer_bytes * L, d2h, per_layer)
-        if lead and per_layer and not d2h and self.io_backend == "auto":
+        if lead_plan is None and lead and per_layer and not d2h and self.io_backend == "auto":
             lead_route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
-            plan.lead = self._plan_kernel(lead_route, d_items, h_items, d2h, layer_bytes)
-            plan.keep += plan.lead.keep
-        return plan
+            lead_plan = self._plan_kernel(lead_route, d_items, h_items, d2h, layer_bytes)
+        return _with_lead(plan, lead_plan)
+
+    def plan_lead(self, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> CopyPlan | None:
+        """The kernel plan of a per-layer load, for the first layer a load issues, made before
+        the rest of the batch is planned so that layer starts at once (route, page ids and
+        descriptor counts then come after its launch); pass it to ``plan(..., lead_plan=)``.
+        None under a forced ``"copy_engine"`` or ``"staged"`` (no copy of those takes SMs)."""
+        if self.io_backend not in ("auto", "kernel"):
+            return None
+        d_items = self._items(dev_idx, "dev_idx")
+        h_items = self._items(host_idx, "host_idx")
+        if d_items.size != h_items.size:
+            raise ValueError(
+                f"dev_idx has {dev_idx.numel()} slots but host_idx has {host_idx.numel()}"
+            )
+        n_valid = int(np.count_nonzero((d_items >= 0) & (h_items >= 0)))
+        layer_bytes = n_valid * self.dev.num_buffers * self.dev.item_bytes
+        route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
+        return self._plan_kernel(route, d_items, h_items, False, layer_bytes)
 
     def _pages(self, items: np.ndarray) -> np.ndarray:
         """Page-aligned runs of P item slots → page ids (a run's first slot names its page)."""
@@ -250,8 +271,16 @@ class HostCopier:
         return np.where(first >= 0, first // P, -1)
 
     def _plan_kernel(
-        self, route: Route, d_items: np.ndarray, h_items: np.ndarray, d2h: bool, nbytes: int
+        self,
+        route: Route,
+        d_items: np.ndarray,
+        h_items: np.ndarray,
+        d2h: bool,
+        nbytes: int,
+        like: CopyPlan | None = None,
     ) -> CopyPlan:
+        if like is not None:  # the lead made before: same indices, already on the device
+            return CopyPlan(route, d2h, nbytes, like.keep, _issue=like._issue)
         # Both index arrays in one upload (each ``.to`` costs ~35 us of CPU on an H100 host,
         # on the critical path of a load's lead layer).
         both = torch.from_numpy(np.stack((d_items, h_items))).to(self.dev.device, non_blocking=True)
@@ -316,6 +345,14 @@ class HostCopier:
             return
         if self.io_backend == "staged" or any(x.staged for x in CROSSOVERS.values()):
             self.stager().warmup()
+
+
+def _with_lead(plan: CopyPlan, lead: CopyPlan | None) -> CopyPlan:
+    """``plan`` with ``lead`` as the kernel plan of its first layer (kept alive with it)."""
+    if lead is not None:
+        plan.lead = lead
+        plan.keep += lead.keep
+    return plan
 
 
 def _check_runs(items: np.ndarray, name: str, limit: int, P: int, group: int) -> None:

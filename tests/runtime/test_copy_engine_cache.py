@@ -153,3 +153,80 @@ def test_inline_first_step_failure_requeues_the_batch(monkeypatch):
     cache.abort(req)
     cache.drain()
     cache.check_integrity()
+
+
+def _host_hit(cache, seed: int):
+    """A request whose prefix is on host only (device copy evicted), slots reserved."""
+    gen = torch.Generator().manual_seed(seed)
+    conv = torch.randint(0, 50, (12,), generator=gen).tolist()
+    run_turn(cache, conv)
+    cache.drain()
+    cache.evict(cache.config.device_tokens)
+    req = cache.match(conv + [7, 7, 1, 2])
+    assert req.host_hit > 0
+    cache.reserve(req, len(req.token_ids) + 3)
+    return req
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel"])
+def test_first_step_is_issued_before_the_rest_is_planned(monkeypatch, backend):
+    """The batch's first step goes out through the kernel before the batch's full plans (route,
+    page ids, descriptor counts) are made, so that work is no longer ahead of the first copy;
+    the full plan then reuses the lead's indices; every position equals a cold computation."""
+    if backend == "auto":
+        _auto_engine(monkeypatch)
+    cache = make_cache(
+        MODELS["full"], "write_through", io_backend=backend, host_layout="layer_first"
+    )
+    cache.controller._worker = IssueWorker()
+    req = _host_hit(cache, 6)
+    log: list[str] = []
+    plan, h2d = copier_mod.HostCopier.plan, copier_mod.copy_host_to_device
+
+    def spy_plan(self, *args, **kwargs):
+        log.append("plan")
+        return plan(self, *args, **kwargs)
+
+    def spy_h2d(host, dev, h, d, layer=None, **kwargs):
+        log.append(f"h2d {layer}")
+        return h2d(host, dev, h, d, layer=layer, **kwargs)
+
+    monkeypatch.setattr(copier_mod.HostCopier, "plan", spy_plan)
+    monkeypatch.setattr(copier_mod, "copy_host_to_device", spy_h2d)
+    assert cache.start_loading()
+    for layer in range(len(cache.config.layer_kinds)):
+        cache.wait_layer(layer, [req])
+    assert log[:2] == ["h2d 0", "plan"], log
+    assert log.count("h2d 0") == 1, log
+    check_cached(cache, req)
+    cache.abort(req)
+    cache.drain()
+    cache.check_integrity()
+
+
+def test_a_failure_planning_the_rest_after_the_first_step_requeues_the_batch(monkeypatch):
+    """The first step is already issued when planning the rest fails: the batch goes back to
+    the queue (nothing on the books in flight), and a later start_loading serves it exactly."""
+    _auto_engine(monkeypatch)
+    cache = make_cache(
+        MODELS["full"], "write_through", io_backend="auto", host_layout="layer_first"
+    )
+    cache.controller._worker = IssueWorker()
+    req = _host_hit(cache, 7)
+    plan = copier_mod.HostCopier.plan
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("planning failed")
+
+    monkeypatch.setattr(copier_mod.HostCopier, "plan", broken)
+    ctl = cache.controller
+    queued = list(ctl._queued)
+    with pytest.raises(RuntimeError, match="planning failed"):
+        cache.start_loading()
+    assert ctl._queued == queued and not ctl._loads
+    monkeypatch.setattr(copier_mod.HostCopier, "plan", plan)
+    assert cache.start_loading()
+    check_cached(cache, req)
+    cache.abort(req)
+    cache.drain()
+    cache.check_integrity()
