@@ -2,7 +2,8 @@
 bytes has them copied into this process's active segment, and is then deleted.
 
 Records die when a newer record of the same key is journaled (two processes that stored one key
-at once, or an earlier compaction) or when they fail verification. A candidate is a finished
+at once, or an earlier compaction), when a newer tombstone of the key is (``delete``), or when
+they fail verification. A candidate is a finished
 segment: this process's own once it moved on, or another writer's whose journal is final (its
 writer moved on to a newer segment, or finished or died: ``Index._released``). Tombstones are
 not copied: a segment's tombstones last as long as it does (the store module's Delete rule). The

@@ -51,7 +51,10 @@ _JOURNAL_READ = 16 << 20  # bytes of a journal read per pread while tailing
 # the same tick as the last listing leaves it unchanged, so a lookup that misses lists the root
 # again while its mtime is this recent.
 _COARSE_NS = 1_000_000_000
-_RETRY = -2  # ``Index._dir_mtime`` after a failed listing: unlike -1, it waits its turn
+# ``Index._dir_mtime`` when it is no root mtime (any int may be one): list on the next call
+# (forced, never held back), or after a failed listing (retried, at the rate limit's pace).
+_FORCED = None
+_RETRY = "retry"
 
 
 class Segment:
@@ -136,7 +139,7 @@ class Index:
         self._open: OrderedDict[str, Segment] = OrderedDict()  # open read descriptors, LRU first
         self._open_max = open_segments
         self._touch_interval_s = touch_interval_s
-        self._dir_mtime = -1
+        self._dir_mtime: int | str | None = _FORCED
         # Listings the root's changes prompt are at least this far apart (SegmentBackendConfig.
         # list_interval_s); a forced one (the first, ``forget_listing_locked``) never waits.
         self._list_every_ns = int(list_interval_s * 1e9)
@@ -165,7 +168,7 @@ class Index:
             # At least list_interval_s apart, and ten times the last listing's own time (a
             # root of many files is listed at most ~10% of the time).
             every = max(self._list_every_ns, 10 * self._list_cost_ns)
-            if self._dir_mtime == -1 or now - self._listed_at >= every:
+            if self._dir_mtime is _FORCED or now - self._listed_at >= every:
                 # Attempts count for the rate limit (a root that cannot be listed, say with no
                 # descriptor left, is retried at that pace, not on every call).
                 self._listed_at = now
@@ -182,7 +185,7 @@ class Index:
 
     def forget_listing_locked(self) -> None:
         """List the root again on the next call."""
-        self._dir_mtime = -1
+        self._dir_mtime = _FORCED
 
     def _rescan_locked(self, started_ns: int) -> bool:
         """List the root and catch up with what changed; False if it could not be listed."""
@@ -464,5 +467,5 @@ class Index:
             self._latest,
         ):
             books.clear()
-        self._dir_mtime = -1
+        self._dir_mtime = _FORCED
         self._dirfd = -1  # the number may be reused by another root: never list or open by it

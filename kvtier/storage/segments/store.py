@@ -30,7 +30,8 @@ records journaled before it, in every process once it reads that journal, and ac
 their space is reclaimed by compaction and eviction like any dead record's. A tombstone lasts as
 long as its segment: one evicted or compacted away before an older record of its key lets that
 record be served again after a restart (a key names its bytes, so they are still the right ones),
-and a process that stores the key again afterwards serves the new record.
+and a process that stores the key again afterwards serves the new record; a process that had not
+read the tombstone's journal before its segment went never applies the delete at all.
 
 Restart: the index is rebuilt by reading every journal (``bench_storage`` reports the seconds
 per million pages); LRU order is the segments' mtimes, kept on disk.
@@ -114,7 +115,9 @@ class _Gate:
 
     def __init__(self, root: Path) -> None:
         self._root = root
-        self._cv = threading.Condition(threading.Lock())
+        # Reentrant: a signal handler runs on the main thread between any two bytecodes, also
+        # while that thread holds this lock in ``enter``/``leave``; ``shut`` then refuses.
+        self._cv = threading.Condition(threading.RLock())
         self._inside: dict[int, int] = {}  # thread id -> calls of that thread inside
         self.closed = False
 
@@ -142,6 +145,10 @@ class _Gate:
         in the middle of one, say) it raises ``RuntimeError`` and changes nothing: waiting for
         itself would never end, and closing under its own call would let that call reach
         whatever file reuses the descriptors."""
+        if self._cv._is_owned():  # a handler run inside ``enter``/``leave`` on this thread
+            raise RuntimeError(
+                f"segment store {self._root}: close() from inside a call on the same thread"
+            )
         with self._cv:
             if self.closed:
                 return False
@@ -324,17 +331,20 @@ class SegmentBackend(StorageBackend):
             listed = index.listings
             index.refresh_locked(tail=True)  # another process's newest records die too
             keys = dict.fromkeys(object_keys)
+            absent_ok = True  # a key the root does not hold is gone already
             if index.listings == listed and any(k not in index.entries for k in keys):
                 # A key may lie in a segment made since the last listing (which the rate limit
                 # may have held back): list now, or the key would outlive its delete.
                 index.forget_listing_locked()
                 index.refresh_locked(tail=True)
+                # If the root could not be listed, an absent key may still be held: not done.
+                absent_ok = index.listings != listed
             present = [k for k in keys if k in index.entries]
         if not present:
-            return [True] * len(object_keys)
+            return [absent_ok] * len(object_keys)
         with self._append:
             done = dict(zip(present, self._writer.tombstone(present)))
-        return [done.get(k, True) for k in object_keys]
+        return [done.get(k, absent_ok) for k in object_keys]
 
     # -- lifecycle -------------------------------------------------------------------------------
 
