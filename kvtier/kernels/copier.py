@@ -64,7 +64,8 @@ class CopyPlan:
         descriptors: copy-engine descriptors of its largest call (0 on the kernel path; on the
             staged path, copy-engine calls plus kernel launches of its largest issue).
         lead: a kernel plan of the same copy, for the first layer a load issues (``plan(...,
-            lead=True)``); None otherwise.
+            lead=True)`` or ``plan(..., lead_plan=)`` on the copy-engine and staged routes);
+            None otherwise.
     """
 
     route: Route
@@ -198,9 +199,15 @@ class HostCopier:
         once, where the copy engine would first spend the batch's enqueue (H100, bench_e2e: the
         first layer waited 1.9 ms, its copy alone takes 0.6 ms). A forced ``"copy_engine"``
         gets no lead: no copy of it takes SMs. ``lead_plan``: this copy's ``plan_lead``, made
-        (and its first layer issued) before: reused as the plan's lead, or as the plan itself
-        where the copy takes the kernel.
+        (and its first layer issued) before: reused as the plan's lead on the copy-engine and
+        staged routes, or as the plan itself (its uploaded indices) on the kernel route; only
+        for a per-layer host-to-device load.
         """
+        if lead_plan is not None and (d2h or not per_layer):
+            raise ValueError(
+                f"lead_plan: only for a per-layer host-to-device load, got d2h={d2h}, "
+                f"per_layer={per_layer}"
+            )
         d_items = self._items(dev_idx, "dev_idx")
         h_items = self._items(host_idx, "host_idx")
         if d_items.size != h_items.size:

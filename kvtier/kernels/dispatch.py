@@ -108,9 +108,11 @@ class RouteReason(str, enum.Enum):
     NO_ENGINE = "fallback_no_engine"  # no CUDA, no cuda-bindings, or CUDA < 12.8
     NOT_CONTIGUOUS = "fallback_not_contiguous"  # page_first: a page's layers interleave
     LEGACY_STREAM = "fallback_legacy_stream"
-    # The first layer of a copy-engine load goes through the kernel: nothing computes yet, so
-    # its SMs cost nothing, and the launch starts the copy ~20 µs after it is asked for where a
-    # batch of descriptors would first spend its enqueue (HostCopier.plan, ``lead``).
+    # The first layer of a load under "auto" goes through the kernel, issued before the rest
+    # of the batch is planned: nothing computes yet, so its SMs cost nothing, and the launch
+    # starts the copy at once where a batch of descriptors (copy engine) or the staging ring
+    # would first spend its set-up (HostCopier.plan_lead, plan(lead=, lead_plan=)). Counted
+    # where the rest takes another path; on the kernel route the lead is the plan itself.
     LEAD_LAYER = "lead_layer_kernel"
 
 

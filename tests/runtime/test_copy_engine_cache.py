@@ -182,10 +182,13 @@ def test_first_step_is_issued_before_the_rest_is_planned(monkeypatch, backend):
     req = _host_hit(cache, 6)
     log: list[str] = []
     plan, h2d = copier_mod.HostCopier.plan, copier_mod.copy_host_to_device
+    made: list[tuple] = []
 
     def spy_plan(self, *args, **kwargs):
         log.append("plan")
-        return plan(self, *args, **kwargs)
+        out = plan(self, *args, **kwargs)
+        made.append((kwargs.get("lead_plan"), out))
+        return out
 
     def spy_h2d(host, dev, h, d, layer=None, **kwargs):
         log.append(f"h2d {layer}")
@@ -198,6 +201,14 @@ def test_first_step_is_issued_before_the_rest_is_planned(monkeypatch, backend):
         cache.wait_layer(layer, [req])
     assert log[:2] == ["h2d 0", "plan"], log
     assert log.count("h2d 0") == 1, log
+    # The plan reuses the lead made first (its indices uploaded once): as its lead on the
+    # copy-engine route, as the plan itself on the kernel route.
+    (lead, full), *_ = made
+    assert lead is not None
+    if full.route.path == "copy_engine":
+        assert full.lead is lead
+    else:
+        assert full._issue is lead._issue and full.keep == lead.keep
     check_cached(cache, req)
     cache.abort(req)
     cache.drain()
@@ -218,11 +229,20 @@ def test_a_failure_planning_the_rest_after_the_first_step_requeues_the_batch(mon
     def broken(self, *args, **kwargs):
         raise RuntimeError("planning failed")
 
+    log: list[int | None] = []
+    h2d = copier_mod.copy_host_to_device
+
+    def spy_h2d(host, dev, h, d, layer=None, **kwargs):
+        log.append(layer)
+        return h2d(host, dev, h, d, layer=layer, **kwargs)
+
     monkeypatch.setattr(copier_mod.HostCopier, "plan", broken)
+    monkeypatch.setattr(copier_mod, "copy_host_to_device", spy_h2d)
     ctl = cache.controller
     queued = list(ctl._queued)
     with pytest.raises(RuntimeError, match="planning failed"):
         cache.start_loading()
+    assert log == [0], "the first step went out before the planning failed"
     assert ctl._queued == queued and not ctl._loads
     monkeypatch.setattr(copier_mod.HostCopier, "plan", plan)
     assert cache.start_loading()
@@ -230,3 +250,15 @@ def test_a_failure_planning_the_rest_after_the_first_step_requeues_the_batch(mon
     cache.abort(req)
     cache.drain()
     cache.check_integrity()
+
+
+def test_a_lead_plan_only_serves_a_per_layer_load():
+    """``plan(lead_plan=)`` refuses a call the lead cannot stand for (a backup, a whole plan)."""
+    cache = make_cache(MODELS["full"], "write_through", io_backend="kernel")
+    copier = cache.controller.bindings["kv"].copiers[0].copier
+    d, h = torch.arange(4), torch.arange(4, 8)
+    lead = copier.plan_lead(d, h)
+    for d2h, per_layer in ((True, True), (False, False)):
+        with pytest.raises(ValueError, match="lead_plan"):
+            copier.plan(d, h, d2h=d2h, per_layer=per_layer, lead_plan=lead)
+    assert copier.plan(d, h, d2h=False, per_layer=True, lead_plan=lead)._issue is lead._issue
