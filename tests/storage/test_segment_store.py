@@ -841,3 +841,47 @@ def test_a_delete_lists_the_root_at_most_once(root: Path, monkeypatch) -> None:
     assert other.exists([PoolTransfer("kv", H[:2])]) == 0
     other.close()
     b.close()
+
+
+def test_close_under_load_from_other_threads(root: Path) -> None:
+    """Four threads put and read back their own pages while another thread closes the store:
+    every call returns (refused ones fail their pages, nothing raises), every page read back is
+    right, and every page a put reported stored is served by a new store on the root."""
+    b = create_backend("file", root=root, segment_bytes=8 * RECORD)
+    started = threading.Barrier(5)
+    warmed = [threading.Event() for _ in range(4)]
+    stored: list[list[str]] = [[] for _ in range(4)]
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            started.wait(BOUND_S)
+            for i in range(w, len(H), 4):
+                ok = put(b, [H[i]])
+                if ok == [True]:
+                    stored[w].append(H[i])
+                got = served(b, stored[w])  # asserts the bytes of every page served
+                if len(stored[w]) >= 3:
+                    warmed[w].set()
+                if ok == [False]:
+                    assert got == [False] * len(stored[w]), "a closed store serves nothing"
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            warmed[w].set()
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(BOUND_S)
+    for e in warmed:
+        assert e.wait(BOUND_S)
+    bounded(b.close)
+    for t in threads:
+        t.join(BOUND_S)
+        assert not t.is_alive()
+    assert not errors, errors
+    again = create_backend("file", root=root)
+    everything = [h for pages in stored for h in pages]
+    assert len(everything) >= 12
+    assert served(again, everything) == [True] * len(everything)
+    again.close()
