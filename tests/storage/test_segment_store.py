@@ -885,3 +885,29 @@ def test_close_under_load_from_other_threads(root: Path) -> None:
     assert len(everything) >= 12
     assert served(again, everything) == [True] * len(everything)
     again.close()
+
+
+def test_collection_does_not_join_the_io_threads(root: Path, monkeypatch) -> None:
+    """A store collected as garbage closes without joining its IO threads: a collection can run
+    inside ``threading``'s bookkeeping of a thread starting, holding a lock the exiting threads
+    need (the suite once hung there); they are told to stop and exit on their own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    b = create_backend("file", root=root)
+    assert put(b, H[:2]) == [True, True] and served(b, H[:2]) == [True, True]
+    pools = list(b._pools.values())
+    assert pools
+    waits: list[bool] = []
+    shutdown = ThreadPoolExecutor.shutdown
+    monkeypatch.setattr(
+        ThreadPoolExecutor, "shutdown", lambda self, wait=True, **kw: waits.append(wait)
+    )
+    b.__del__()
+    monkeypatch.setattr(ThreadPoolExecutor, "shutdown", shutdown)
+    assert waits and not any(waits), waits
+    for pool in pools:
+        pool.shutdown(wait=True)
+    assert put(b, H[2:4]) == [False, False]
+    again = create_backend("file", root=root)
+    assert served(again, H[:2]) == [True, True]
+    again.close()

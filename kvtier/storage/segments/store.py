@@ -367,6 +367,13 @@ class SegmentBackend(StorageBackend):
         page calls fail their pages (``set``/``get``/``delete``: False, ``exists``: none), and
         ``clear``, ``object_keys``, ``locate``, ``used_bytes`` and ``open_descriptors`` raise
         ``ValueError``. A second ``close`` does nothing."""
+        self._close(join=True)
+
+    def _close(self, join: bool) -> None:
+        """``close``; ``join``: wait for the IO threads to exit. Not at collection: a collection
+        may run inside ``threading``'s own bookkeeping of a thread starting or stopping, with a
+        lock held that exiting threads need (joining them there deadlocks); they exit on their
+        own once told to."""
         if getattr(self, "_dirfd", -1) < 0 or not self._gate.shut():
             return
         with self._append:
@@ -374,7 +381,7 @@ class SegmentBackend(StorageBackend):
                 self._writer.close()
         pools, self._pools = self._pools, {}
         for pool in pools.values():
-            pool.shutdown(wait=True)
+            pool.shutdown(wait=join)
         if hasattr(self, "_index"):
             with self._index.mutex:
                 self._index.close_locked()
@@ -385,7 +392,7 @@ class SegmentBackend(StorageBackend):
     def __del__(self) -> None:
         if getattr(self, "_dirfd", -1) >= 0:
             try:
-                self.close()
+                self._close(join=False)
             except Exception:
                 log.debug("segment store: close at collection failed", exc_info=True)
 
