@@ -208,19 +208,12 @@ class HostCopier:
                 f"lead_plan: only for a per-layer host-to-device load, got d2h={d2h}, "
                 f"per_layer={per_layer}"
             )
-        d_items = self._items(dev_idx, "dev_idx")
-        h_items = self._items(host_idx, "host_idx")
-        if d_items.size != h_items.size:
-            raise ValueError(
-                f"dev_idx has {dev_idx.numel()} slots but host_idx has {host_idx.numel()}"
-            )
+        d_items, h_items, layer_bytes = self._pair(dev_idx, host_idx)
         if check if check is not None else debug_checks():
             P = self.host.page_size
             _check_runs(d_items, "dev_idx", self.dev.num_slots, P, self.index_group)
             _check_runs(h_items, "host_idx", self.host.num_slots, P, self.index_group)
-        dev, L = self.dev, self.dev.num_layers
-        n_valid = int(np.count_nonzero((d_items >= 0) & (h_items >= 0)))
-        layer_bytes = n_valid * dev.num_buffers * dev.item_bytes
+        L = self.dev.num_layers
         call_bytes = layer_bytes if per_layer else layer_bytes * L
         route = self.route(d2h=d2h, call_bytes=call_bytes)
         if route.path == self.kernel_path:
@@ -260,6 +253,15 @@ class HostCopier:
         None under a forced ``"copy_engine"`` or ``"staged"`` (no copy of those takes SMs)."""
         if self.io_backend not in ("auto", "kernel"):
             return None
+        d_items, h_items, layer_bytes = self._pair(dev_idx, host_idx)
+        route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
+        return self._plan_kernel(route, d_items, h_items, False, layer_bytes)
+
+    def _pair(
+        self, dev_idx: torch.Tensor, host_idx: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Both sides' item slots (``_items``), checked to pair up, and the bytes one layer of
+        the copy moves (items valid on both sides)."""
         d_items = self._items(dev_idx, "dev_idx")
         h_items = self._items(host_idx, "host_idx")
         if d_items.size != h_items.size:
@@ -267,9 +269,7 @@ class HostCopier:
                 f"dev_idx has {dev_idx.numel()} slots but host_idx has {host_idx.numel()}"
             )
         n_valid = int(np.count_nonzero((d_items >= 0) & (h_items >= 0)))
-        layer_bytes = n_valid * self.dev.num_buffers * self.dev.item_bytes
-        route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
-        return self._plan_kernel(route, d_items, h_items, False, layer_bytes)
+        return d_items, h_items, n_valid * self.dev.num_buffers * self.dev.item_bytes
 
     def _pages(self, items: np.ndarray) -> np.ndarray:
         """Page-aligned runs of P item slots → page ids (a run's first slot names its page)."""

@@ -454,23 +454,19 @@ class CacheController:
                 # planned (HostCopier.plan_lead): the forward pass's first layer waits on it,
                 # and its route, page ids and descriptor counts can come after its launch
                 # (H100 host: ~0.3 ms of planning no longer ahead of the first copy).
-                early: dict[int, CopyPlan] = {}
+                leads: list[tuple[BoundCopier, CopyPlan]] = []
                 if first_pool in cpu_idx:
                     d, h = cpu_idx[first_pool]
                     for c in self.bindings[first_pool].copiers:
                         if c.own(first_layer) is not None:
                             lp = c.copier.plan_lead(d, h)
                             if lp is None:  # a forced path takes no lead: no early step
-                                early = {}
+                                leads = []
                                 break
-                            early[id(c)] = lp
-                if early:
-                    lead_plans = [
-                        (c, early[id(c)])
-                        for c in self.bindings[first_pool].copiers
-                        if id(c) in early
-                    ]
-                    enqueue(first=0, stop=1, use={first_pool: lead_plans})
+                            leads.append((c, lp))
+                if leads:
+                    enqueue(first=0, stop=1, use={first_pool: leads})
+                early = {id(c): lp for c, lp in leads}  # first-pool copiers only
                 events += [self._event() for _ in self.layer_map[1:]]
                 # Every layer's descriptors (or the device-side indices) once per batch, before
                 # the later layers are issued: the per-layer issue is then one call per pool
@@ -488,7 +484,7 @@ class CacheController:
                                 per_layer=True,
                                 check=False,
                                 lead=lead,
-                                lead_plan=early.get(id(c)) if pool == first_pool else None,
+                                lead_plan=early.get(id(c)),
                             )
                             plans[pool].append((c, plan))
                     else:

@@ -239,13 +239,10 @@ class Index:
     def _catch_up_locked(self, seg: Segment) -> None:
         """Tail ``seg``'s journal; close it once it is final: its writer moved on to a newer
         segment, or holds it no more (finished it, or exited or died: ``_released``)."""
-        if seg.number >= self._latest.get(seg.writer, -1) and self._released(seg):
-            self._tail_locked(seg)  # after the release: every entry it will ever have
-        else:
-            self._tail_locked(seg)
-            if seg.number >= self._latest.get(seg.writer, -1):
-                return
-        if seg.jfd is not None:
+        # Asked before tailing: a journal tailed after its release holds every entry it will.
+        final = seg.number < self._latest.get(seg.writer, -1) or self._released(seg)
+        self._tail_locked(seg)
+        if final and seg.jfd is not None:
             os.close(seg.jfd)
             seg.jfd = None
             self.changed.add(seg)

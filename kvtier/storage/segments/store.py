@@ -145,14 +145,11 @@ class _Gate:
         in the middle of one, say) it raises ``RuntimeError`` and changes nothing: waiting for
         itself would never end, and closing under its own call would let that call reach
         whatever file reuses the descriptors."""
-        if self._cv._is_owned():  # a handler run inside ``enter``/``leave`` on this thread
-            raise RuntimeError(
-                f"segment store {self._root}: close() from inside a call on the same thread"
-            )
+        held = self._cv._is_owned()  # a handler run inside ``enter``/``leave`` on this thread
         with self._cv:
-            if self.closed:
+            if self.closed and not held:
                 return False
-            if threading.get_ident() in self._inside:
+            if held or threading.get_ident() in self._inside:
                 raise RuntimeError(
                     f"segment store {self._root}: close() from inside a call on the same thread"
                 )
