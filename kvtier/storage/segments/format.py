@@ -32,13 +32,10 @@ key's record copied in or bytes never written (a preallocated hole) fail.
 
 from __future__ import annotations
 
-import functools
 import struct
 import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
-
-import numpy as np
 
 from kvtier.storage.base import MAX_KEY_LENGTH
 
@@ -86,27 +83,6 @@ def encode_entry(e: Entry) -> bytes:
     return body + _CRC.pack(zlib.crc32(key, zlib.crc32(body))) + key
 
 
-@functools.lru_cache(maxsize=8)
-def _entry_dtype(key_length: int) -> np.dtype:
-    """What a journal entry with a key of ``key_length`` chars protects with its CRC, as a packed
-    numpy record: the fields of ``_ENTRY``, then the key (the CRC itself sits between them)."""
-    dtype = np.dtype(
-        [
-            ("magic", "S4"),
-            ("klen", "<u2"),
-            ("flags", "u1"),
-            ("algorithm", "u1"),
-            ("offset", "<u8"),
-            ("length", "<u8"),
-            ("checksum", "<u8"),
-            ("time_ns", "<u8"),
-            ("key", f"S{key_length}"),
-        ]
-    )
-    assert dtype.itemsize == _ENTRY.size + key_length
-    return dtype
-
-
 def encode_entries(
     keys: Sequence[str],
     offsets: Sequence[int],
@@ -116,39 +92,17 @@ def encode_entries(
     checksums: Sequence[int],
 ) -> bytes:
     """The journal entries of records ``keys`` (one time for all), as ``encode_entry`` of each,
-    concatenated. Keys of one length (a batch's usually are) are packed field by field as one
-    numpy record array, with one CRC call per entry over its bytes in a row: ~0.4 us an entry
-    instead of ~1.3."""
-    n = len(keys)
-    if n == 0:
-        return b""
-    klen = len(keys[0])
-    raw_keys = "".join(keys).encode("ascii")
-    if len(raw_keys) != n * klen or len(set(map(len, keys))) != 1 or klen == 0:
-        return b"".join(
-            encode_entry(Entry(k, o, ln, 0, time_ns, a, c))
-            for k, o, ln, a, c in zip(keys, offsets, lengths, algorithms, checksums)
-        )
-    rec = np.zeros(n, _entry_dtype(klen))
-    rec["magic"] = _JOURNAL_MAGIC
-    rec["klen"] = klen
-    rec["algorithm"] = algorithms
-    rec["offset"] = offsets
-    rec["length"] = lengths
-    rec["checksum"] = np.array(checksums, dtype=np.uint64)
-    rec["time_ns"] = time_ns
-    rec["key"] = np.frombuffer(raw_keys, dtype=f"S{klen}")
-    signed = rec.tobytes()
-    size, crc32 = rec.itemsize, zlib.crc32
-    crcs = np.array([crc32(signed[o : o + size]) for o in range(0, n * size, size)], "<u4")
-    # Each entry: its fields, its CRC, its key.
-    out = np.empty((n, ENTRY_SIZE + klen), np.uint8)
-    rows = np.frombuffer(signed, np.uint8).reshape(n, size)
-    head = _ENTRY.size
-    out[:, :head] = rows[:, :head]
-    out[:, head:ENTRY_SIZE] = crcs.view(np.uint8).reshape(n, _CRC.size)
-    out[:, ENTRY_SIZE:] = rows[:, head:]
-    return out.tobytes()
+    concatenated, in one loop of C calls: ~0.8 us an entry (a numpy record array packed field by
+    field cost as much at 128 entries, and far more for the few entries of one run)."""
+    pack, pack_crc, crc32, magic = _ENTRY.pack, _CRC.pack, zlib.crc32, _JOURNAL_MAGIC
+    out: list[bytes] = []
+    for key, offset, length, algorithm, checksum in zip(
+        keys, offsets, lengths, algorithms, checksums
+    ):
+        raw = key.encode("ascii")
+        body = pack(magic, len(raw), 0, algorithm, offset, length, checksum, time_ns)
+        out += (body, pack_crc(crc32(raw, crc32(body))), raw)
+    return b"".join(out)
 
 
 def foreign_journal(head: bytes) -> bool:

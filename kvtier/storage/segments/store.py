@@ -47,6 +47,13 @@ Close: ``close`` refuses new calls at once, waits for those in flight on other t
 bounded), then finishes the active segment and closes every descriptor; a closed store's page
 calls fail their pages and its other calls raise ``ValueError``, so a descriptor number another
 file reuses is never touched.
+
+Fork: a store belongs to the process that opened it. In a child made by ``fork`` it refuses every
+call as a closed store does (the message says to open a new backend there) and closes the child's
+copies of its descriptors, touching no file and releasing no lock: the parent's writer names,
+active segments and IO threads are not the child's, and copies kept open would hold the parent's
+writer lock past the parent's death. A new backend opened in the child is a process of its own on
+the root.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ import gc
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -120,12 +128,22 @@ class _Gate:
         self._cv = threading.Condition(threading.RLock())
         self._inside: dict[int, int] = {}  # thread id -> calls of that thread inside
         self.closed = False
+        self._why = "used after close()"
+
+    def abandon(self, why: str) -> None:
+        """Refuse every call from now on, with ``why``, in a forked child: its only thread runs
+        this, and the lock and the calls inside belong to threads of the parent that do not
+        exist here (one of them may have held the lock when the process forked)."""
+        self._cv = threading.Condition(threading.RLock())
+        self._inside = {}
+        self._why = why
+        self.closed = True
 
     def enter(self) -> None:
         ident = threading.get_ident()
         with self._cv:
             if self.closed:
-                raise ValueError(f"segment store {self._root}: used after close()")
+                raise ValueError(f"segment store {self._root}: {self._why}")
             self._inside[ident] = self._inside.get(ident, 0) + 1
 
     def leave(self) -> None:
@@ -174,6 +192,19 @@ def _gated(method: Callable[..., T]) -> Callable[..., T]:
     return gated
 
 
+_LIVE: weakref.WeakSet[SegmentBackend] = weakref.WeakSet()  # stores of this process
+
+
+def _abandon_in_child() -> None:
+    """After ``fork``, in the child: every store the parent had open is abandoned there."""
+    for store in list(_LIVE):
+        store._abandon_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_abandon_in_child)
+
+
 class SegmentBackend(StorageBackend):
     """Page records in append-only segment files; see the module docstring for the rules."""
 
@@ -197,6 +228,7 @@ class SegmentBackend(StorageBackend):
             else min(_SEGMENT_BYTES, max(cap // (8 * config.lanes), 1))
         )
         self._gate = _Gate(self.root)
+        self._pid = os.getpid()
         self._append = threading.Lock()  # this process's appends (and compactions), in order
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pools_mutex = threading.Lock()
@@ -232,6 +264,7 @@ class SegmentBackend(StorageBackend):
         self._compactor = Compactor(
             self._index, self._writer, self._space, self._dirfd, config.compact_below
         )
+        _LIVE.add(self)
         try:
             with self._index.mutex, _collection_paused():
                 self._index.refresh_locked(tail=True)
@@ -384,6 +417,30 @@ class SegmentBackend(StorageBackend):
                 self._index.close_locked()
         self._lock.close()
         os.close(self._dirfd)
+        self._dirfd = -1
+
+    def _abandon_in_child(self) -> None:
+        """The process forked and this is the child: the store is the parent's (its writer
+        names, active segments and IO threads), so here it refuses every call like a closed
+        store, and its copies of the parent's descriptors are closed with no other effect (no
+        segment finished or truncated, no lock released: the parent keeps all of it; a child
+        that kept them would hold the parent's writer lock past the parent's exit, and a put
+        in the child waited forever for IO threads that did not fork with it)."""
+        if getattr(self, "_dirfd", -1) < 0:
+            return
+        self._gate.abandon(
+            f"opened by process {self._pid}, unusable in its forked child {os.getpid()} "
+            "(open a new backend there)"
+        )
+        fds = {self._dirfd} | self._lock.descriptors()
+        if hasattr(self, "_index"):
+            fds |= self._index.descriptors()
+        if hasattr(self, "_writer"):
+            fds |= self._writer.descriptors()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._pools = {}
         self._dirfd = -1
 
     def __del__(self) -> None:
