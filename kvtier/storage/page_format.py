@@ -167,31 +167,50 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 class Xxh3Stream:
-    """XXH3-64 of a payload fed in pieces by address, without the GIL: a piece can be hashed
-    right after it was read or before it is written, while it is still in the core's cache.
+    """XXH3-64 of a payload fed in pieces, without the GIL: a piece can be hashed right after it
+    was read or before it is written, while it is still in the core's cache.
 
-    One per thread (``xxh3_stream``); the memory fed must stay alive through each ``update``.
+    By address through ``ctypes`` where the binding library exports the streaming calls;
+    elsewhere (xxhash builds that hide them, such as the GPU machine's 4.0.1) through the
+    binding's own hasher object, whose ``update`` also runs without the GIL. One per thread
+    (``xxh3_stream``); the memory fed must stay alive through each ``update``.
     """
 
-    __slots__ = ("_state",)
+    __slots__ = ("_hasher", "_state")
 
     def __init__(self) -> None:
+        self._state = None
+        self._hasher = None
         if _STREAM is None:
-            raise RuntimeError("streaming XXH3 through ctypes is not available")
+            self._hasher = xxhash.xxh3_64()
+            return
         self._state = _STREAM[0]()
         if not self._state:
             raise MemoryError("XXH3_createState failed")
 
+    @property
+    def by_address(self) -> bool:
+        """Whether pieces are hashed by address (``ctypes``), which needs writable views."""
+        return self._hasher is None
+
     def reset(self) -> None:
-        _STREAM[2](self._state)  # type: ignore[index]
+        if self._hasher is not None:
+            self._hasher.reset()
+        else:
+            _STREAM[2](self._state)  # type: ignore[index]
 
     def update(self, part: memoryview) -> None:
-        """Hash ``part`` next: a writable, contiguous memoryview (its address is taken)."""
+        """Hash ``part`` next: a contiguous memoryview (writable where ``by_address``)."""
         if part.nbytes:
-            update = _STREAM[3]  # type: ignore[index]
-            update(self._state, _addressof(_from_buffer(part)), part.nbytes)
+            if self._hasher is not None:
+                self._hasher.update(part)
+            else:
+                update = _STREAM[3]  # type: ignore[index]
+                update(self._state, _addressof(_from_buffer(part)), part.nbytes)
 
     def digest(self) -> int:
+        if self._hasher is not None:
+            return self._hasher.intdigest()
         return _STREAM[4](self._state)  # type: ignore[index]
 
     def __del__(self) -> None:
@@ -203,14 +222,14 @@ _streams = threading.local()
 
 
 def xxh3_stream(parts: Sequence[memoryview]) -> Xxh3Stream | None:
-    """This thread's ``Xxh3Stream``, reset, if it can hash ``parts`` (writable, contiguous
-    memoryviews) and pages are written with XXH3; else None (the caller hashes the whole payload
-    the usual way). There is one per thread: its user finishes a digest before hashing another
-    payload."""
-    if _STREAM is None or _DEFAULT != _XXH3:
+    """This thread's ``Xxh3Stream``, reset, if it can hash ``parts`` (contiguous memoryviews,
+    writable where the stream hashes by address) and pages are written with XXH3; else None (the
+    caller hashes the whole payload the usual way). There is one per thread: its user finishes a
+    digest before hashing another payload."""
+    if _DEFAULT != _XXH3:
         return None
     for p in parts:
-        if p.readonly or not p.c_contiguous:
+        if not p.c_contiguous or (p.readonly and _STREAM is not None):
             return None
     return _thread_stream()
 

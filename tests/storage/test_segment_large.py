@@ -6,6 +6,7 @@ piece, a cut record, another key's record and another checksum algorithm all tak
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -61,19 +62,33 @@ def flip(path: Path, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x5A]))
 
 
-def test_stream_equals_the_one_shot_digest() -> None:
+@pytest.mark.parametrize("ctypes_stream", [True, False])
+def test_stream_equals_the_one_shot_digest(
+    ctypes_stream: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By address through ``ctypes`` where the binding exports the streaming calls, else through
+    the binding's hasher object (the GPU machine's xxhash 4.0.1): the same digest either way."""
+    if ctypes_stream and page_format._STREAM is None:
+        pytest.skip("no streaming XXH3 through ctypes here")
+    if not ctypes_stream:
+        monkeypatch.setattr(page_format, "_STREAM", None)
+        monkeypatch.setattr(page_format, "_streams", threading.local())
     data = expected(H[0], BIG)
     views = [buffer_of(data[:1000]), buffer_of(data[1000:])]
     stream = xxh3_stream(views)
-    if stream is None:
-        pytest.skip("no streaming XXH3 through ctypes here")
     assert isinstance(stream, Xxh3Stream)
+    assert stream.by_address is ctypes_stream
     for piece in pieces(views, RUN_BYTES):
         assert sum(v.nbytes for v in piece) <= RUN_BYTES
         for v in piece:
             stream.update(v)
     assert stream.digest() == xxhash.xxh3_64_intdigest(data.numpy().tobytes())
-    assert xxh3_stream([memoryview(b"read-only")]) is None, "needs writable views"
+    stream = xxh3_stream([memoryview(b"read-only")])
+    if ctypes_stream:
+        assert stream is None, "by address needs writable views"
+    else:
+        stream.update(memoryview(b"read-only"))
+        assert stream.digest() == xxhash.xxh3_64_intdigest(b"read-only")
 
 
 def test_pieces_cover_the_payload_in_order() -> None:
@@ -84,9 +99,23 @@ def test_pieces_cover_the_payload_in_order() -> None:
     assert b"".join(bytes(v) for p in cut for v in p) == data.numpy().tobytes()
 
 
+def use_stream(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large records hashed in pieces through ``kind``: "ctypes" (by address, skipped where the
+    binding does not export the streaming calls) or "hasher" (the binding's hasher object)."""
+    if kind == "ctypes" and page_format._STREAM is None:
+        pytest.skip("no streaming XXH3 through ctypes here")
+    if kind == "hasher":
+        monkeypatch.setattr(page_format, "_STREAM", None)
+        monkeypatch.setattr(page_format, "_streams", threading.local())
+
+
+@pytest.mark.parametrize("stream", ["ctypes", "hasher"])
 @pytest.mark.parametrize("io_threads", [0, 1])
 @pytest.mark.parametrize("split", [False, True])
-def test_mixed_sizes_roundtrip(tmp_path: Path, io_threads: int, split: bool) -> None:
+def test_mixed_sizes_roundtrip(
+    tmp_path: Path, io_threads: int, split: bool, stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_stream(stream, monkeypatch)
     b = create_backend("file", root=tmp_path / "l3", io_threads=io_threads)
     keys = H[: len(SIZES)]
     if split:
@@ -113,8 +142,12 @@ def test_large_record_is_the_payload_alone(tmp_path: Path) -> None:
     b.close()
 
 
+@pytest.mark.parametrize("stream", ["ctypes", "hasher"])
 @pytest.mark.parametrize("piece", [0, 1, 2])
-def test_flipped_byte_in_any_piece_is_a_counted_miss(tmp_path: Path, piece: int) -> None:
+def test_flipped_byte_in_any_piece_is_a_counted_miss(
+    tmp_path: Path, piece: int, stream: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    use_stream(stream, monkeypatch)
     b = create_backend("file", root=tmp_path / "l3")
     keys = H[: len(SIZES)]
     assert put(b, keys, SIZES) == [True] * len(SIZES)
