@@ -291,17 +291,6 @@ class Index:
 
     # -- the index --------------------------------------------------------------------------------
 
-    def descriptors(self) -> set[int]:
-        """Every descriptor the index holds (segments' read or append descriptors, journals
-        being tailed), for a forked child to close its copies of without any lock."""
-        fds = set()
-        for seg in self.segments.values():
-            fds.add(seg.fd)
-            if seg.jfd is not None:
-                fds.add(seg.jfd)
-        fds.discard(-1)
-        return fds
-
     def add_own_locked(self, seg: Segment) -> None:
         """A segment this process just created; pinned while it appends to it."""
         seg.pins += 1

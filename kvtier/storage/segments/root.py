@@ -150,7 +150,3 @@ class RootLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-    def descriptors(self) -> set[int]:
-        """The lock file's descriptor, if open."""
-        return set() if self._fd is None else {self._fd}

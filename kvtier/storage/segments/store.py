@@ -49,11 +49,14 @@ calls fail their pages and its other calls raise ``ValueError``, so a descriptor
 file reuses is never touched.
 
 Fork: a store belongs to the process that opened it. In a child made by ``fork`` it refuses every
-call as a closed store does (the message says to open a new backend there) and closes the child's
-copies of its descriptors, touching no file and releasing no lock: the parent's writer names,
-active segments and IO threads are not the child's, and copies kept open would hold the parent's
-writer lock past the parent's death. A new backend opened in the child is a process of its own on
-the root.
+call as a closed store does (the message says to open a new backend there), and the child's
+descriptors into the root are closed, touching no file and releasing no lock: the parent's writer
+names, active segments and IO threads are not the child's, and copies kept open would hold the
+parent's writer lock past the parent's death. Which descriptors: those that point into the root
+at the fork (found through ``/proc/self/fd``), including any another thread of the parent held
+for a moment then (a segment being created, a compaction's source); never a number the store
+recorded, which another thread may have closed, and the forking thread reused, just before. A new
+backend opened in the child is a process of its own on the root.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import functools
 import gc
 import logging
 import os
+import stat
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -196,9 +200,45 @@ _LIVE: weakref.WeakSet[SegmentBackend] = weakref.WeakSet()  # stores of this pro
 
 
 def _abandon_in_child() -> None:
-    """After ``fork``, in the child: every store the parent had open is abandoned there."""
-    for store in list(_LIVE):
+    """After ``fork``, in the child: every store the parent had open is abandoned there, and the
+    child's descriptors into their roots are closed."""
+    stores = [store for store in list(_LIVE) if getattr(store, "_dirfd", -1) >= 0]
+    roots = {store._root_id for store in stores}
+    for store in stores:
         store._abandon_in_child()
+    if roots:
+        _close_descriptors_into(roots)
+
+
+def _close_descriptors_into(roots: set[tuple[int, int]]) -> None:
+    """Close every descriptor of this process that is one of ``roots`` (directories, by device
+    and inode) or a file in one of them, deleted or not, whoever opened it: in a forked child,
+    the copies of descriptors the parent's threads held at the fork, including those only
+    opened for a moment (a segment being created, a compaction's source, a listing). It looks at
+    what each descriptor is now, never at numbers the stores recorded (another thread may have
+    closed one, and the number been reused, just before the fork). Without ``/proc`` nothing is
+    closed: the copies stay open, which is a leak, never a wrong close."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        fd = int(name)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                ours = (st.st_dev, st.st_ino) in roots
+            elif stat.S_ISREG(st.st_mode):
+                target = os.readlink(f"/proc/self/fd/{fd}")
+                target = target.removesuffix(" (deleted)")
+                where = os.stat(os.path.dirname(target))
+                ours = (where.st_dev, where.st_ino) in roots
+            else:
+                ours = False
+            if ours:
+                os.close(fd)
+        except OSError:
+            continue  # gone (the listing's own descriptor), or its directory is
 
 
 if hasattr(os, "register_at_fork"):
@@ -233,6 +273,8 @@ class SegmentBackend(StorageBackend):
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pools_mutex = threading.Lock()
         self._dirfd = open_root(self.root, config.dir_mode, config.allow_unsafe_root)
+        st = os.fstat(self._dirfd)
+        self._root_id = (st.st_dev, st.st_ino)
         self._lock = RootLock(self._dirfd, _LOCK_NAME, config.file_mode, config.lock_timeout_s)
         # One writer name per write lane: each lane's segments are numbered on their own, so
         # another process tails the newest segment of each (older ones are final).
@@ -422,24 +464,15 @@ class SegmentBackend(StorageBackend):
     def _abandon_in_child(self) -> None:
         """The process forked and this is the child: the store is the parent's (its writer
         names, active segments and IO threads), so here it refuses every call like a closed
-        store, and its copies of the parent's descriptors are closed with no other effect (no
-        segment finished or truncated, no lock released: the parent keeps all of it; a child
-        that kept them would hold the parent's writer lock past the parent's exit, and a put
-        in the child waited forever for IO threads that did not fork with it)."""
-        if getattr(self, "_dirfd", -1) < 0:
-            return
+        store and never touches a descriptor again; ``_close_descriptors_into`` closes the
+        child's copies, with no other effect (no segment finished or truncated, no lock
+        released: the parent keeps all of it). Before: a put in the child waited forever for IO
+        threads that did not fork with it, and the copies held the parent's writer lock past the
+        parent's death."""
         self._gate.abandon(
             f"opened by process {self._pid}, unusable in its forked child {os.getpid()} "
             "(open a new backend there)"
         )
-        fds = {self._dirfd} | self._lock.descriptors()
-        if hasattr(self, "_index"):
-            fds |= self._index.descriptors()
-        if hasattr(self, "_writer"):
-            fds |= self._writer.descriptors()
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
         self._pools = {}
         self._dirfd = -1
 

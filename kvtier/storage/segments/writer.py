@@ -428,11 +428,6 @@ class Lane:
             with self._index.mutex:
                 self._index.remove_locked(seg)
 
-    def descriptors(self) -> set[int]:
-        """The active segment's and its journal's descriptors (none without one)."""
-        act = self._active
-        return set() if act is None else {act.seg.fd, act.jfd}
-
     def close(self, delete: bool = False) -> None:
         """Finish the active segment (deleting it with ``delete``)."""
         if self._active is not None:
@@ -515,10 +510,6 @@ class Writer:
             for i, good in zip(retry, again):
                 ok[i] = good
         return ok
-
-    def descriptors(self) -> set[int]:
-        """Every lane's active segment and journal descriptors."""
-        return set().union(*(lane.descriptors() for lane in self._lanes))
 
     def tombstone(self, keys: list[str]) -> list[bool]:
         """``Lane.tombstone`` in the first lane."""
