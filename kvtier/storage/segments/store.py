@@ -203,42 +203,51 @@ def _abandon_in_child() -> None:
     """After ``fork``, in the child: every store the parent had open is abandoned there, and the
     child's descriptors into their roots are closed."""
     stores = [store for store in list(_LIVE) if getattr(store, "_dirfd", -1) >= 0]
-    roots = {store._root_id for store in stores}
+    roots = {store._root_path: store._root_id for store in stores}
     for store in stores:
         store._abandon_in_child()
     if roots:
         _close_descriptors_into(roots)
 
 
-def _close_descriptors_into(roots: set[tuple[int, int]]) -> None:
-    """Close every descriptor of this process that is one of ``roots`` (directories, by device
-    and inode) or a file in one of them, deleted or not, whoever opened it: in a forked child,
-    the copies of descriptors the parent's threads held at the fork, including those only
-    opened for a moment (a segment being created, a compaction's source, a listing). It looks at
-    what each descriptor is now, never at numbers the stores recorded (another thread may have
-    closed one, and the number been reused, just before the fork). Without ``/proc`` nothing is
-    closed: the copies stay open, which is a leak, never a wrong close."""
+def _close_descriptors_into(roots: dict[str, tuple[int, int]]) -> None:
+    """Close every descriptor of this process that is one of ``roots`` (real path -> device and
+    inode) or a file in one of them, deleted or not, whoever opened it: in a forked child, the
+    copies of descriptors the parent's threads held at the fork, including those only opened for
+    a moment (a segment being created, a compaction's source, a listing). It looks at what each
+    descriptor is now, never at numbers the stores recorded (another thread may have closed one,
+    and the number been reused, just before the fork): its path through ``/proc/self/fd``, and
+    only for a path in a root an ``fstat`` to confirm it is that root or a regular file (so no
+    other file system is asked anything; each root's path is checked to still name that root).
+    Without ``/proc`` nothing is closed: the copies stay open, which is a leak, never a wrong
+    close; a root renamed or replaced since it was opened is missed the same way."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
         return
-    for name in names:
-        fd = int(name)
+    here = set()  # roots whose path still names them: files under another directory are not ours
+    for path, ident in roots.items():
         try:
-            st = os.fstat(fd)
-            if stat.S_ISDIR(st.st_mode):
-                ours = (st.st_dev, st.st_ino) in roots
-            elif stat.S_ISREG(st.st_mode):
-                target = os.readlink(f"/proc/self/fd/{fd}")
-                target = target.removesuffix(" (deleted)")
-                where = os.stat(os.path.dirname(target))
-                ours = (where.st_dev, where.st_ino) in roots
+            st = os.stat(path)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == ident:
+            here.add(path)
+    for name in names:
+        try:
+            fd = int(name)
+            target = os.readlink(f"/proc/self/fd/{name}").removesuffix(" (deleted)")
+            if target in roots:
+                st = os.fstat(fd)
+                ours = stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == roots[target]
+            elif os.path.dirname(target) in here:
+                ours = stat.S_ISREG(os.fstat(fd).st_mode)
             else:
-                ours = False
+                continue
             if ours:
                 os.close(fd)
-        except OSError:
-            continue  # gone (the listing's own descriptor), or its directory is
+        except (OSError, ValueError):
+            continue  # gone (the listing's own descriptor)
 
 
 if hasattr(os, "register_at_fork"):
@@ -275,6 +284,7 @@ class SegmentBackend(StorageBackend):
         self._dirfd = open_root(self.root, config.dir_mode, config.allow_unsafe_root)
         st = os.fstat(self._dirfd)
         self._root_id = (st.st_dev, st.st_ino)
+        self._root_path = os.path.realpath(self.root)
         self._lock = RootLock(self._dirfd, _LOCK_NAME, config.file_mode, config.lock_timeout_s)
         # One writer name per write lane: each lane's segments are numbered on their own, so
         # another process tails the newest segment of each (older ones are final).
