@@ -176,15 +176,16 @@ class Xxh3Stream:
     (``xxh3_stream``); the memory fed must stay alive through each ``update``.
     """
 
-    __slots__ = ("_hasher", "_state")
+    __slots__ = ("_api", "_hasher", "_state")
 
     def __init__(self) -> None:
+        self._api = _STREAM  # the calls this stream was made with, for its whole life
         self._state = None
         self._hasher = None
-        if _STREAM is None:
+        if self._api is None:
             self._hasher = xxhash.xxh3_64()
             return
-        self._state = _STREAM[0]()
+        self._state = self._api[0]()
         if not self._state:
             raise MemoryError("XXH3_createState failed")
 
@@ -197,7 +198,7 @@ class Xxh3Stream:
         if self._hasher is not None:
             self._hasher.reset()
         else:
-            _STREAM[2](self._state)  # type: ignore[index]
+            self._api[2](self._state)  # type: ignore[index]
 
     def update(self, part: memoryview) -> None:
         """Hash ``part`` next: a contiguous memoryview (writable where ``by_address``)."""
@@ -205,17 +206,20 @@ class Xxh3Stream:
             if self._hasher is not None:
                 self._hasher.update(part)
             else:
-                update = _STREAM[3]  # type: ignore[index]
-                update(self._state, _addressof(_from_buffer(part)), part.nbytes)
+                self._api[3](self._state, _addressof(_from_buffer(part)), part.nbytes)  # type: ignore[index]
+
+    def update_at(self, address: int, nbytes: int) -> None:
+        """Hash ``nbytes`` at ``address`` next (``by_address`` streams only)."""
+        self._api[3](self._state, address, nbytes)  # type: ignore[index]
 
     def digest(self) -> int:
         if self._hasher is not None:
             return self._hasher.intdigest()
-        return _STREAM[4](self._state)  # type: ignore[index]
+        return self._api[4](self._state)  # type: ignore[index]
 
     def __del__(self) -> None:
-        if getattr(self, "_state", None) and _STREAM is not None:
-            _STREAM[1](self._state)
+        if getattr(self, "_state", None) and self._api is not None:
+            self._api[1](self._state)
 
 
 _streams = threading.local()
@@ -235,9 +239,10 @@ def xxh3_stream(parts: Sequence[memoryview]) -> Xxh3Stream | None:
 
 
 def _thread_stream() -> Xxh3Stream:
-    """This thread's ``Xxh3Stream``, reset (``_STREAM`` must be available)."""
+    """This thread's ``Xxh3Stream``, reset; a new one if the streaming calls available changed
+    since it was made (tests switch them)."""
     s = getattr(_streams, "s", None)
-    if s is None:
+    if s is None or s._api is not _STREAM:
         s = _streams.s = Xxh3Stream()
     s.reset()
     return s
@@ -403,7 +408,7 @@ class PageViews:
                 stream = _thread_stream()
                 for k in self._parts(i):
                     if self._sizes[k]:
-                        _STREAM[3](stream._state, self._ptrs[k], self._sizes[k])
+                        stream.update_at(self._ptrs[k], self._sizes[k])
                 return _XXH3, stream.digest()
         return payload_checksum(self[i])
 

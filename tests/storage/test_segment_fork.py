@@ -274,3 +274,43 @@ def test_a_fork_never_closes_a_descriptor_that_is_not_the_stores(tmp_path: Path)
     )
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
     assert other.read_bytes() == b"still open"
+
+
+def test_a_fork_keeps_the_users_files_and_finds_a_renamed_root(tmp_path: Path) -> None:
+    """The user's own file in the root (a log, say) stays open in the child, while the store's
+    descriptors are closed there even after the root was renamed (the store works through its
+    directory's descriptor, so a rename does not stop it)."""
+    root = tmp_path / "l3"
+    moved = tmp_path / "l3-moved"
+    script = """
+    b = create_backend("file", root=ROOT, io_threads=0)
+    assert b.set([PoolTransfer("kv", H[:3], [src(h) for h in H[:3]])]).all_ok
+    log = os.open(f"{ROOT}/app.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.rename(ROOT, sys.argv[2])
+    def body():
+        left = {}
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(sys.argv[2]):
+                left[int(fd)] = os.path.basename(target)
+        assert left == {log: "app.log"}, f"left open: {left}"
+        os.write(log, b"child")
+    pid = child(body)
+    assert status(pid) == 0, "the child failed"
+    assert b.set([PoolTransfer("kv", H[3:6], [src(h) for h in H[3:6]])]).all_ok
+    b.close()
+    print("ok", flush=True)
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(script), str(root), str(moved)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+    assert (moved / "app.log").read_bytes() == b"child"
+    fresh_reader_serves(moved, H[:6])

@@ -6,7 +6,6 @@ piece, a cut record, another key's record and another checksum algorithm all tak
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -71,8 +70,7 @@ def test_stream_equals_the_one_shot_digest(
     if ctypes_stream and page_format._STREAM is None:
         pytest.skip("no streaming XXH3 through ctypes here")
     if not ctypes_stream:
-        monkeypatch.setattr(page_format, "_STREAM", None)
-        monkeypatch.setattr(page_format, "_streams", threading.local())
+        monkeypatch.setattr(page_format, "_STREAM", None)  # this thread's stream is remade
     data = expected(H[0], BIG)
     views = [buffer_of(data[:1000]), buffer_of(data[1000:])]
     stream = xxh3_stream(views)
@@ -99,14 +97,23 @@ def test_pieces_cover_the_payload_in_order() -> None:
     assert b"".join(bytes(v) for p in cut for v in p) == data.numpy().tobytes()
 
 
-def use_stream(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def use_stream(kind: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Large records hashed in pieces through ``kind``: "ctypes" (by address, skipped where the
-    binding does not export the streaming calls) or "hasher" (the binding's hasher object)."""
+    binding does not export the streaming calls) or "hasher" (the binding's hasher object).
+    Returns the count of pieces hashed so far in that mode (one element, updated)."""
     if kind == "ctypes" and page_format._STREAM is None:
         pytest.skip("no streaming XXH3 through ctypes here")
     if kind == "hasher":
         monkeypatch.setattr(page_format, "_STREAM", None)
-        monkeypatch.setattr(page_format, "_streams", threading.local())
+    seen = [0]
+    update = Xxh3Stream.update
+
+    def counted(self: Xxh3Stream, part: memoryview) -> None:
+        seen[0] += self.by_address is (kind == "ctypes")
+        update(self, part)
+
+    monkeypatch.setattr(Xxh3Stream, "update", counted)
+    return seen
 
 
 @pytest.mark.parametrize("stream", ["ctypes", "hasher"])
@@ -115,7 +122,7 @@ def use_stream(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_mixed_sizes_roundtrip(
     tmp_path: Path, io_threads: int, split: bool, stream: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    use_stream(stream, monkeypatch)
+    pieces_hashed = use_stream(stream, monkeypatch)
     b = create_backend("file", root=tmp_path / "l3", io_threads=io_threads)
     keys = H[: len(SIZES)]
     if split:
@@ -128,6 +135,7 @@ def test_mixed_sizes_roundtrip(
     assert served(again, keys, SIZES) == [True] * len(SIZES), "a fresh reader verifies them"
     b.close()
     again.close()
+    assert pieces_hashed[0] > 0, f"large records went through the {stream} stream"
 
 
 def test_large_record_is_the_payload_alone(tmp_path: Path) -> None:
@@ -147,7 +155,7 @@ def test_large_record_is_the_payload_alone(tmp_path: Path) -> None:
 def test_flipped_byte_in_any_piece_is_a_counted_miss(
     tmp_path: Path, piece: int, stream: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    use_stream(stream, monkeypatch)
+    pieces_hashed = use_stream(stream, monkeypatch)
     b = create_backend("file", root=tmp_path / "l3")
     keys = H[: len(SIZES)]
     assert put(b, keys, SIZES) == [True] * len(SIZES)
@@ -159,6 +167,7 @@ def test_flipped_byte_in_any_piece_is_a_counted_miss(
     assert b.metrics.snapshot()["checksum_miss_pages"] == 1
     assert b.exists([PoolTransfer("kv", keys[:2])]) == 1, "the bad record was dropped"
     b.close()
+    assert pieces_hashed[0] > 0, f"large records went through the {stream} stream"
 
 
 def test_cut_and_foreign_large_records_are_misses(tmp_path: Path) -> None:

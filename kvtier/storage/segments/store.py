@@ -50,12 +50,14 @@ file reuses is never touched.
 
 Fork: a store belongs to the process that opened it. In a child made by ``fork`` it refuses every
 call as a closed store does (the message says to open a new backend there), and the child's
-descriptors into the root are closed, touching no file and releasing no lock: the parent's writer
-names, active segments and IO threads are not the child's, and copies kept open would hold the
-parent's writer lock past the parent's death. Which descriptors: those that point into the root
-at the fork (found through ``/proc/self/fd``), including any another thread of the parent held
-for a moment then (a segment being created, a compaction's source); never a number the store
-recorded, which another thread may have closed, and the forking thread reused, just before. A new
+descriptors of the root and of the store's files in it (segments, journals, the lock file) are
+closed, touching no file and releasing no lock: the parent's writer names, active segments and IO
+threads are not the child's, and copies kept open would hold the parent's writer lock past the
+parent's death. Which descriptors: those that are such files at the fork (found through
+``/proc/self/fd``, checked against the root's own descriptor, so a renamed root counts), including
+any another thread of the parent held for a moment then (a segment being created, a compaction's
+source); never a number the store recorded, which another thread may have closed, and the forking
+thread reused, just before; never another file in the root (a user's log stays open). A new
 backend opened in the child is a process of its own on the root.
 """
 
@@ -80,7 +82,7 @@ from kvtier.storage.keys import KeyScope
 from kvtier.storage.page_format import PageViews
 from kvtier.storage.segments.compact import Compactor
 from kvtier.storage.segments.config import SegmentBackendConfig
-from kvtier.storage.segments.index import Index
+from kvtier.storage.segments.index import NAME, Index
 from kvtier.storage.segments.reader import Reader
 from kvtier.storage.segments.root import RootLock, open_root
 from kvtier.storage.segments.space import Space
@@ -201,53 +203,74 @@ _LIVE: weakref.WeakSet[SegmentBackend] = weakref.WeakSet()  # stores of this pro
 
 def _abandon_in_child() -> None:
     """After ``fork``, in the child: every store the parent had open is abandoned there, and the
-    child's descriptors into their roots are closed."""
+    child's descriptors of their files are closed."""
     stores = [store for store in list(_LIVE) if getattr(store, "_dirfd", -1) >= 0]
-    roots = {store._root_path: store._root_id for store in stores}
+    roots = [(store._dirfd, store._root_id) for store in stores]
     for store in stores:
         store._abandon_in_child()
     if roots:
         _close_descriptors_into(roots)
 
 
-def _close_descriptors_into(roots: dict[str, tuple[int, int]]) -> None:
-    """Close every descriptor of this process that is one of ``roots`` (real path -> device and
-    inode) or a file in one of them, deleted or not, whoever opened it: in a forked child, the
-    copies of descriptors the parent's threads held at the fork, including those only opened for
-    a moment (a segment being created, a compaction's source, a listing). It looks at what each
-    descriptor is now, never at numbers the stores recorded (another thread may have closed one,
-    and the number been reused, just before the fork): its path through ``/proc/self/fd``, and
-    only for a path in a root an ``fstat`` to confirm it is that root or a regular file (so no
-    other file system is asked anything; each root's path is checked to still name that root).
-    Without ``/proc`` nothing is closed: the copies stay open, which is a leak, never a wrong
-    close; a root renamed or replaced since it was opened is missed the same way."""
+def _close_descriptors_into(roots: list[tuple[int, tuple[int, int]]]) -> None:
+    """Close this process's descriptors of the stores' roots (each given as the child's copy of
+    its descriptor and its device and inode) and of the files a store makes in them (segments,
+    journals, the lock file), whoever opened them: in a forked child, the copies of descriptors
+    the parent's threads held at the fork, including those only opened for a moment (a segment
+    being created, a compaction's source, a listing).
+
+    It looks at what each descriptor is now, never at numbers the stores recorded (another thread
+    may have closed one, and the number been reused, just before the fork): its path through
+    ``/proc/self/fd``, compared with the root's path now (the path of the root's own descriptor,
+    so a root renamed since it was opened is still found); then, only for a store's file name in
+    a root, ``fstat`` against what that name is in the root (a deleted one: any file of the
+    root's device that is no longer linked). Other files in a root, the user's own, stay open,
+    and no other file system is asked anything. Without ``/proc`` nothing is closed: the copies
+    stay open, which is a leak, never a wrong close."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
         return
-    here = set()  # roots whose path still names them: files under another directory are not ours
-    for path, ident in roots.items():
+    here: dict[str, tuple[int, tuple[int, int]]] = {}  # a root's path now -> (its fd, its id)
+    for d, ident in roots:
         try:
-            st = os.stat(path)
+            st = os.fstat(d)
+            if (st.st_dev, st.st_ino) == ident:
+                here[os.readlink(f"/proc/self/fd/{d}")] = (d, ident)
         except OSError:
             continue
-        if (st.st_dev, st.st_ino) == ident:
-            here.add(path)
+    dirs = []  # closed last: the files are looked up through them
     for name in names:
         try:
             fd = int(name)
-            target = os.readlink(f"/proc/self/fd/{name}").removesuffix(" (deleted)")
-            if target in roots:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            deleted = target.endswith(" (deleted)")
+            target = target.removesuffix(" (deleted)")
+            if target in here:
                 st = os.fstat(fd)
-                ours = stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == roots[target]
-            elif os.path.dirname(target) in here:
-                ours = stat.S_ISREG(os.fstat(fd).st_mode)
-            else:
+                if stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == here[target][1]:
+                    dirs.append(fd)
                 continue
+            parent, base = os.path.split(target)
+            if parent not in here or (base != _LOCK_NAME and NAME.fullmatch(base) is None):
+                continue
+            d, (dev, _) = here[parent]
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_dev != dev:
+                continue
+            deleted = deleted or st.st_nlink == 0
+            try:
+                now = os.stat(base, dir_fd=d, follow_symlinks=False)
+                ours = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
+            except FileNotFoundError:  # deleted, maybe this moment by the parent, which runs on
+                ours = deleted or os.fstat(fd).st_nlink == 0
             if ours:
                 os.close(fd)
         except (OSError, ValueError):
-            continue  # gone (the listing's own descriptor)
+            continue  # gone (the listing's own descriptor), or its name is
+    for fd in dirs:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 if hasattr(os, "register_at_fork"):
@@ -284,7 +307,6 @@ class SegmentBackend(StorageBackend):
         self._dirfd = open_root(self.root, config.dir_mode, config.allow_unsafe_root)
         st = os.fstat(self._dirfd)
         self._root_id = (st.st_dev, st.st_ino)
-        self._root_path = os.path.realpath(self.root)
         self._lock = RootLock(self._dirfd, _LOCK_NAME, config.file_mode, config.lock_timeout_s)
         # One writer name per write lane: each lane's segments are numbered on their own, so
         # another process tails the newest segment of each (older ones are final).
