@@ -43,7 +43,7 @@ H = page_hashes(range(4 * 64), Namespace("segment-fork", "bfloat16", 4, "page_fi
 def src(h):
     g = torch.Generator().manual_seed(int(h[:15], 16))
     return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
-def root_fds():
+def root_fds(root=ROOT):
     # This process's descriptors into the root, by what they point at now.
     out = {{}}
     for fd in os.listdir("/proc/self/fd"):
@@ -51,7 +51,7 @@ def root_fds():
             target = os.readlink(f"/proc/self/fd/{{fd}}")
         except OSError:
             continue
-        if target == ROOT or target.startswith(ROOT + "/"):
+        if target == root or target.startswith(root + "/"):
             out[int(fd)] = os.path.basename(target)
     return out
 def child(body):
@@ -77,9 +77,9 @@ def expected(h: str) -> torch.Tensor:
     return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
 
 
-def run(script: str, root: Path) -> subprocess.CompletedProcess:
+def run(script: str, root: Path, *args: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(script), str(root)],
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(script), str(root), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
@@ -265,13 +265,7 @@ def test_a_fork_never_closes_a_descriptor_that_is_not_the_stores(tmp_path: Path)
     b.close()
     print("ok", flush=True)
     """
-    out = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(script), str(root), str(other)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    out = run(script, root, other)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
     assert other.read_bytes() == b"still open"
 
@@ -288,14 +282,7 @@ def test_a_fork_keeps_the_users_files_and_finds_a_renamed_root(tmp_path: Path) -
     log = os.open(f"{ROOT}/app.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.rename(ROOT, sys.argv[2])
     def body():
-        left = {}
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(sys.argv[2]):
-                left[int(fd)] = os.path.basename(target)
+        left = root_fds(sys.argv[2])
         assert left == {log: "app.log"}, f"left open: {left}"
         os.write(log, b"child")
     pid = child(body)
@@ -304,13 +291,7 @@ def test_a_fork_keeps_the_users_files_and_finds_a_renamed_root(tmp_path: Path) -
     b.close()
     print("ok", flush=True)
     """
-    out = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(script), str(root), str(moved)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        cwd=Path(__file__).resolve().parents[2],
-    )
+    out = run(script, root, moved)
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
     assert (moved / "app.log").read_bytes() == b"child"
     fresh_reader_serves(moved, H[:6])
