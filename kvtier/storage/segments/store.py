@@ -243,9 +243,7 @@ def _close_descriptors_into(roots: list[tuple[int, tuple[int, int]]]) -> None:
     for name in names:
         try:
             fd = int(name)
-            target = os.readlink(f"/proc/self/fd/{name}")
-            deleted = target.endswith(" (deleted)")
-            target = target.removesuffix(" (deleted)")
+            target = os.readlink(f"/proc/self/fd/{name}").removesuffix(" (deleted)")
             if target in here:
                 st = os.fstat(fd)
                 if stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == here[target][1]:
@@ -258,12 +256,11 @@ def _close_descriptors_into(roots: list[tuple[int, tuple[int, int]]]) -> None:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_dev != dev:
                 continue
-            deleted = deleted or st.st_nlink == 0
             try:
                 now = os.stat(base, dir_fd=d, follow_symlinks=False)
                 ours = (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino)
             except FileNotFoundError:  # deleted, maybe this moment by the parent, which runs on
-                ours = deleted or os.fstat(fd).st_nlink == 0
+                ours = os.fstat(fd).st_nlink == 0
             if ours:
                 os.close(fd)
         except (OSError, ValueError):
