@@ -78,8 +78,9 @@ class LlamaShaped:
         tokens' K/V writes, which touch only the new tokens' slots), as a serving engine's
         attention backend does; ``"layer"`` before the layer's first kernel.
 
-        ``trace``: when a list, gets (begin event, [(layer start after a ``"layer"`` wait, end)
-        events per layer], CPU seconds spent issuing the forward) — where the GPU waited for
+        ``trace``: when a list, gets (begin event, [(layer start after a ``"layer"`` wait, its
+        attention's start after an ``"attention"`` wait, end) events per layer], CPU seconds
+        spent issuing the forward) — where the GPU waited for
         loads, and whether the CPU kept ahead of it (with ``"attention"`` a layer's wait falls
         inside its compute time)."""
         t_cpu = time.perf_counter()
@@ -99,9 +100,7 @@ class LlamaShaped:
             if wait and wait_at == "layer":
                 cache.wait_layer(layer)
             if trace is not None:
-                marks.append(
-                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                )
+                marks.append(tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)))
                 marks[-1][0].record()
             h = F.rms_norm(x, (HIDDEN,))
             qkv = h @ self.wqkv[layer]
@@ -111,6 +110,8 @@ class LlamaShaped:
             vp[new_slots] = v.view(n, KVH, HD)
             if wait and wait_at == "attention":
                 cache.wait_layer(layer)
+            if trace is not None:
+                marks[-1][1].record()
             K = kp[all_slots].transpose(0, 1)[None]
             V = vp[all_slots].transpose(0, 1)[None]
             Q = q.view(n, QH, HD).transpose(0, 1)[None]
@@ -122,7 +123,7 @@ class LlamaShaped:
             a, b = (h @ self.w13[layer]).chunk(2, dim=-1)
             x = x + (F.silu(a) * b) @ self.w2[layer]
             if trace is not None:
-                marks[-1][1].record()
+                marks[-1][2].record()
         out = F.rms_norm(x[-1:], (HIDDEN,)) @ self.lm_head
         if trace is not None:
             trace.append((begin, marks, time.perf_counter() - t_cpu))
@@ -140,9 +141,9 @@ def layer_trace(cache, run, prepare) -> None:
         req = run("overlap", trace)
         sync()
         wall = time.perf_counter() - t0
-        (match_ms, reserve_ms, load_ms), (begin, marks, cpu_s) = trace
+        (match_ms, reserve_ms, load_ms), load, (begin, marks, cpu_s) = trace
         waits, comps, prev = [], [], begin
-        for a, b in marks:
+        for a, _, b in marks:
             waits.append(prev.elapsed_time(a))
             comps.append(a.elapsed_time(b))
             prev = b
@@ -160,6 +161,16 @@ def layer_trace(cache, run, prepare) -> None:
             f"start_loading {load_ms:.2f}",
             flush=True,
         )
+        if load is not None:  # when each layer's load was done against its attention's start
+            firsts = " ".join(f"{begin.elapsed_time(ev):.2f}" for _, ev in load.starts[:3])
+            done = [begin.elapsed_time(ev) for ev in load.layer_events[:4] if ev is not None]
+            attn = [begin.elapsed_time(m[1]) for m in marks[:4]]
+            print(
+                f"  ms after the forward's begin: copy runs start {firsts}; layers 0-3 loaded "
+                f"{' '.join(f'{x:.2f}' for x in done)}, attention starts "
+                f"{' '.join(f'{x:.2f}' for x in attn)}",
+                flush=True,
+            )
         req.token_ids = req.token_ids[: req.computed_len]
         cache.cache_finished_req(req)
         cache.drain()
@@ -315,10 +326,13 @@ def main() -> None:
             wait_all(req)
         else:
             t2 = time.perf_counter()
-            if cache.start_loading() and mode == "load_first":
+            started = cache.start_loading()
+            if started and mode == "load_first":
                 wait_all(req)
             if trace is not None:  # CPU ms before the forward: match, reserve, start_loading
                 trace.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3))
+                loads = cache.controller._loads  # the load just started (its events), if any
+                trace.append(loads[-1] if started and loads else None)
             with torch.no_grad():
                 model.forward(
                     cache,
