@@ -376,6 +376,7 @@ class TieredKVCache:
             raise TypeError(f"layer: expected an int model layer, got {layer!r}")
         if not 0 <= layer < n:
             raise ValueError(f"layer: {layer} is not a model layer in [0, {n})")
+        requests = tuple(requests)  # once: an iterator would be used up by the checks
         for req in requests:
             self._check_request(req)
         self.controller.wait_layer(self._wait_steps[layer])
@@ -436,6 +437,45 @@ class TieredKVCache:
         if self.requests.get(id(req)) is not req:
             raise ValueError("req: the request was not matched by this cache (another cache's?)")
 
+    def _check_tokens(self, req: Request) -> None:
+        """Refuse ``req.token_ids`` that the tree cannot take as the request's tokens: values
+        ``match`` would refuse, too few for the computed positions, or a different prefix
+        where the request holds the tree's own slots (``cache_protected_len``: inserting those
+        ids would give a second node the same slots). A list of ints is kept as is; other
+        accepted forms (a tensor, an array) become one, as ``match`` takes them."""
+        tokens, n = req.token_ids, req.cache_protected_len
+        # The values past the cached prefix (a list's prefix is checked against the tree's
+        # keys below, which equality makes valid: no second pass over a long prompt).
+        some, past = (tokens[n:], n) if isinstance(tokens, list) else (tokens, 0)
+        if len(some):
+            try:
+                checked = token_list(some)
+            except (TypeError, ValueError) as e:
+                where = f"req.token_ids[{past}:]" if past else "req.token_ids"
+                raise type(e)(str(e).replace("token_ids", where, 1)) from None
+            if not isinstance(tokens, list):  # a list stays the caller's own object
+                tokens = checked
+        if len(tokens) < max(req.computed_len, n):
+            raise ValueError(
+                f"req.token_ids: {len(tokens)} token ids for {req.computed_len} computed "
+                "positions; set req.token_ids to the prompt and the tokens fed back since"
+            )
+        if n and req.pin is not None:
+            node, end = req.pin.node, req.pin.node_end
+            while node.parent is not None and end > 0:
+                start = end - len(node.key)
+                if start < n:
+                    hi = min(end, n)
+                    if tokens[start:hi] != node.key[: hi - start]:
+                        raise ValueError(
+                            f"req.token_ids: positions [{start}, {hi}) differ from the cached "
+                            f"prefix the request was matched on ({n} tokens whose slots the "
+                            "tree owns); only positions from there on may change"
+                        )
+                node, end = node.parent, start
+        if tokens is not req.token_ids:
+            req.token_ids = tokens
+
     # -- caching requests ------------------------------------------------------------------
 
     def cache_finished_req(self, req: Request) -> None:
@@ -445,6 +485,7 @@ class TieredKVCache:
         and every generated token fed back); the tree keeps their whole pages.
         """
         self._check_request(req)
+        self._check_tokens(req)
         self._inserts.finish(req)
         self.requests.pop(id(req), None)
         req.released = "finished"
@@ -465,6 +506,7 @@ class TieredKVCache:
     def cache_unfinished_req(self, req: Request) -> None:
         """Checkpoint a running request's full pages into the tree (chunked prefill, decode)."""
         self._check_request(req)
+        self._check_tokens(req)
         self._inserts.checkpoint(req)
 
     # -- per step ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from kvtier.runtime.tree.requests import CacheRequest
 __all__ = ["Request"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Request(CacheRequest):
     """A request as the cache sees it (see :class:`CacheRequest` for the slot bookkeeping).
 
@@ -26,6 +26,9 @@ class Request(CacheRequest):
         mamba_ckpt: a slot holding the state at ``mamba_ckpt_len`` tokens (page-aligned).
         released: ``""`` while the request runs; ``"finished"`` or ``"aborted"`` once
             ``cache_finished_req`` or ``abort`` took its slots back (any later use is refused).
+
+    Requests compare and hash by identity (two requests for one prompt are two requests), so
+    an engine can keep them in lists, sets and dicts.
     """
 
     device_hit: int = 0

@@ -187,6 +187,33 @@ BAD_CALLS = [
         "token_ids",
     ),
     (
+        "finish-str-token-id",
+        lambda c, r, x: (
+            setattr(r, "token_ids", r.token_ids[:11] + ["x"]),
+            c.cache_finished_req(r),
+        ),
+        TypeError,
+        "req.token_ids",
+    ),
+    (
+        "unfinished-float-token-id",
+        lambda c, r, x: (
+            setattr(r, "token_ids", r.token_ids[:8] + [3.5, 4, 5, 6]),
+            c.cache_unfinished_req(r),
+        ),
+        TypeError,
+        "req.token_ids",
+    ),
+    (
+        "finish-2d-token-tensor",
+        lambda c, r, x: (
+            setattr(r, "token_ids", torch.ones(2, 6, dtype=torch.int64)),
+            c.cache_finished_req(r),
+        ),
+        TypeError,
+        "req.token_ids",
+    ),
+    (
         "unfinished-finished",
         lambda c, r, x: c.cache_unfinished_req(x["finished"]),
         ValueError,
@@ -232,7 +259,7 @@ def test_refused_call_leaves_books_unchanged(name, call, exc, pattern, other_cac
     again = serve(cache, prompt + [11, 12, 13, 14])
     assert again.device_hit >= 8
     other_cache.abort(foreign)
-    assert len(BAD_CALLS) >= 40
+    assert len(BAD_CALLS) >= 43
 
 
 @pytest.mark.parametrize(
@@ -286,4 +313,113 @@ def test_selective_backs_up_on_the_second_insert(inserts, backed_up):
     assert node is not cache.tree.root
     assert (node.host_value[0] is not None) == backed_up
     assert cache.controller.stats.backups == (1 if backed_up else 0)
+    cache.check_integrity()
+
+
+def test_finished_request_token_ids_as_tensor_or_array():
+    """``req.token_ids`` handed back as an integer tensor or array is taken as ``match`` takes
+    token ids; a list stays the caller's own object through a checkpoint."""
+    cache = make_cache()
+    prompt = list(range(1, 11))
+    serve(cache, prompt)
+    for convert in (torch.tensor, np.array):
+        req = cache.match(prompt + [11, 12])
+        cache.reserve(req, 16)
+        cache.start_loading()
+        step(cache, req, 12)
+        own = req.token_ids
+        cache.cache_unfinished_req(req)
+        assert req.token_ids is own
+        req.token_ids = convert(prompt + [11, 12])
+        cache.cache_finished_req(req)
+        cache.poll()
+        cache.check_integrity()
+        again = cache.match(prompt + [11, 12, 13])
+        assert again.device_hit == 12
+        cache.abort(again)
+
+
+PREFIX_EDITS = [
+    ("finish-changed-cached-prefix", lambda t: [99] * 12, False, r"positions \[0, 8\) differ"),
+    ("unfinished-changed-page", lambda t: [1, 2, 3, 9] + t[4:], True, r"positions \[0, 8\) differ"),
+    ("finish-huge-id-past-prefix", lambda t: t[:11] + [2**64], False, r"token_ids\[8:\]: token"),
+    ("unfinished-none-past-prefix", lambda t: t[:9] + [None, 1, 2], True, r"token_ids\[8:\]"),
+]
+
+
+@pytest.mark.parametrize(
+    "name, edit, unfinished, pattern", PREFIX_EDITS, ids=[e[0] for e in PREFIX_EDITS]
+)
+def test_token_ids_edited_in_the_cached_prefix_are_refused(name, edit, unfinished, pattern):
+    """Token ids handed back for positions whose slots the tree owns must be the ones the
+    request was matched on (else the tree would give a second node those slots: a double free
+    at the next eviction), and every later id must be one ``match`` accepts."""
+    cache = make_cache(("full",))
+    prompt = list(range(1, 11))
+    serve(cache, prompt)
+    live = cache.match(prompt + [11, 12])
+    assert live.cache_protected_len == 8
+    cache.reserve(live, 16)
+    cache.start_loading()
+    step(cache, live, 12)
+    token_ids = list(live.token_ids)
+    before = books(cache)
+    live.token_ids = edit(token_ids)
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        (cache.cache_unfinished_req if unfinished else cache.cache_finished_req)(live)
+    assert books(cache) == before, f"{name}: a refused call changed the books"
+    cache.check_integrity()
+    live.token_ids = token_ids
+    cache.cache_finished_req(live)
+    cache.poll()
+    cache.check_integrity()
+    assert cache.evict(64) >= 0
+    cache.check_integrity()
+
+
+def test_requests_compare_and_hash_by_identity():
+    """Two running requests for one prompt are two requests: engines keep them in lists, sets
+    and dicts (value equality over their slot tensors raised on ``in`` and ``remove``)."""
+    cache = make_cache(("full",))
+    prompt = list(range(1, 10))
+    a, b = cache.match(prompt), cache.match(prompt)
+    cache.reserve(a, 16)
+    cache.reserve(b, 20)
+    running = [a, b]
+    assert b in running and running.index(b) == 1 and a != b and len({a, b}) == 2
+    running.remove(a)
+    assert running == [b]
+    for req in (a, b):
+        cache.abort(req)
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["list", "generator"])
+def test_wait_layer_takes_requests_as_any_iterable(how):
+    """The matched prefix's Mamba state reaches the request's live slot whether ``requests``
+    is a list or a one-shot iterator (the checks used to use the iterator up: no copy)."""
+    cache = make_cache(("full", "mamba"))
+    states = cache.mamba_pool.tensors[0]
+    prompt = list(range(1, 10))
+    first = cache.match(prompt + [7, 7, 7])
+    cache.reserve(first, 12)
+    cache.start_loading()
+    cache.begin_step(first, 12)
+    for layer in range(2):
+        cache.wait_layer(layer, [first])
+    states[:, int(first.mamba_slot)] = 42.0  # the model writes its state
+    cache.computed(first, 12)
+    first.token_ids = prompt + [7, 7, 7]
+    cache.cache_finished_req(first)
+    cache.poll()
+    req = cache.match(prompt + [7, 7, 7, 5])
+    assert req.cached_len == 12
+    states[:, int(req.mamba_slot)] = -1.0  # a stale state in the request's own slot
+    cache.reserve(req, 16)
+    cache.start_loading()
+    cache.begin_step(req, 13)
+    for layer in range(2):
+        cache.wait_layer(layer, [req] if how == "list" else (r for r in [req]))
+    assert torch.all(states[:, int(req.mamba_slot)] == 42.0)
+    cache.abort(req)
     cache.check_integrity()

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["CacheRequest", "RequestCache"]
 
 
-@dataclass
+@dataclass(eq=False)
 class CacheRequest:
     """The cache state of one request, as a scheduler keeps it.
 

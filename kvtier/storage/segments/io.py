@@ -24,22 +24,22 @@ enough that a syscall's fixed cost stays a few percent."""
 
 def write_all(fd: int, iovecs: list, offset: int) -> None:
     """``pwritev`` every byte of ``iovecs`` at ``offset`` (a short write continues; a full disk
-    raises ``OSError``)."""
+    raises ``OSError``), at most ``IOV_MAX`` parts a call (one page may have more)."""
     total = sum(v.nbytes if isinstance(v, memoryview) else len(v) for v in iovecs)
-    done = os.pwritev(fd, iovecs, offset)
+    done = os.pwritev(fd, iovecs[:IOV_MAX] if len(iovecs) > IOV_MAX else iovecs, offset)
     while done < total:
-        n = os.pwritev(fd, remaining(iovecs, done), offset + done)
+        n = os.pwritev(fd, remaining(iovecs, done)[:IOV_MAX], offset + done)
         if n == 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         done += n
 
 
 def read_all(fd: int, iovecs: list[memoryview], offset: int, want: int) -> int:
-    """``preadv`` into ``iovecs`` from ``offset`` until ``want`` bytes or the end of the file;
-    the bytes read."""
-    got = os.preadv(fd, iovecs, offset)
+    """``preadv`` into ``iovecs`` from ``offset`` until ``want`` bytes or the end of the file,
+    at most ``IOV_MAX`` parts a call; the bytes read."""
+    got = os.preadv(fd, iovecs[:IOV_MAX] if len(iovecs) > IOV_MAX else iovecs, offset)
     while 0 < got < want:  # short reads are legal; zero means the file ends here
-        more = os.preadv(fd, remaining(iovecs, got), offset + got)
+        more = os.preadv(fd, remaining(iovecs, got)[:IOV_MAX], offset + got)
         if more == 0:
             break
         got += more

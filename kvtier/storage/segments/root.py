@@ -31,14 +31,18 @@ def open_root(root: Path, dir_mode: int, allow_unsafe_root: bool) -> int:
     """
     root.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.mkdir(root, dir_mode)  # the umask may narrow it until the fchmod below
+        os.mkdir(root, 0o700)  # the umask may narrow it (even to nothing) until the chmod
         created = True
     except FileExistsError:
         created = False
+    if created:
+        # By path, before the open: under a umask such as 0o400 or 0o777 the new directory
+        # lacks the owner's read or search bit that opening it needs.
+        os.chmod(root, dir_mode)
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if created:
-            os.fchmod(fd, dir_mode)
+            os.fchmod(fd, dir_mode)  # the directory opened is the one that has the mode
             return fd
         # fstat of the descriptor, not a stat of the path: what is checked is what is used.
         st = os.fstat(fd)

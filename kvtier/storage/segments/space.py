@@ -120,13 +120,18 @@ class Space:
             except BlockingIOError:
                 os.close(fd)
                 return False  # a live writer's active segment
+        gone = True
         try:
             for ext in ("kvj", "kvs"):
                 if ext in files:  # only the regular files listed: a foreign entry stays
-                    self.unlink(f"{stem}.{ext}")
+                    gone = self.unlink(f"{stem}.{ext}") and gone
         finally:
             if fd is not None and fd != held_fd:
                 os.close(fd)
+        if not gone:
+            # Still on disk (EPERM, EACCES, EROFS...): its bytes still count against the
+            # capacity, and its records stay indexed here and served from what remains.
+            return False
         with self._index.mutex:
             seg = self._index.segments.get(stem)
             if seg is not None:
@@ -139,10 +144,13 @@ class Space:
             for stem, files in self.listing().items():
                 self.delete(stem, files)
 
-    def unlink(self, name: str) -> None:
+    def unlink(self, name: str) -> bool:
+        """Remove ``name`` from the root; whether it is gone (removed now, or absent)."""
         try:
             os.unlink(name, dir_fd=self._dirfd)
         except FileNotFoundError:
             pass
         except OSError as e:
             log.warning("segment store %s: could not remove %r: %s", self.root, name, e)
+            return False
+        return True

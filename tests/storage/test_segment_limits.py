@@ -1,0 +1,137 @@
+"""The segment store at the edges of the system it runs on: a umask that hides the new root
+from its owner, pages of more parts than one ``pwritev`` takes, and files that will not go away.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+from kvtier.storage.segments import SegmentBackend
+from kvtier.storage.segments import space as space_module
+from kvtier.storage.segments.format import RECORD_HEAD
+from kvtier.storage.segments.io import IOV_MAX
+
+NS = Namespace("limits-test", "bfloat16", 4, "page_first")
+PAGE = 4096
+H = page_hashes(range(4 * 256), NS)  # 256 pages
+
+
+def expected(h: str, n: int = PAGE) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(h[:15], 16))
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def store(root: Path, **config: object) -> SegmentBackend:
+    config.setdefault("list_interval_s", 0)
+    b = create_backend("file", root=root, touch_interval_s=0, **config)
+    assert isinstance(b, SegmentBackend)
+    return b
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize("umask", [0o077, 0o400, 0o777])
+def test_root_created_under_any_umask(tmp_path: Path, umask: int) -> None:
+    """Under a umask that strips the owner's own read or search bit the new root still opens
+    (its mode set by path before the open), gets exactly 0o700, and serves pages. Run without
+    the root user's permission bypass (``setpriv`` drops it), as an ordinary owner would."""
+    root = tmp_path / "l3"
+    script = textwrap.dedent(
+        f"""
+        import os, stat, torch
+        from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+        os.umask({umask})
+        h = page_hashes(range(8), Namespace("umask", "bfloat16", 4, "page_first"))
+        b = create_backend("file", root={str(root)!r})
+        page = torch.arange(64, dtype=torch.uint8)
+        assert b.set([PoolTransfer("kv", h, [page, page])]).all_ok
+        out = [torch.zeros(64, dtype=torch.uint8) for _ in h]
+        assert b.get([PoolTransfer("kv", h, out)]).all_ok and torch.equal(out[1], page)
+        b.close()
+        print(oct(stat.S_IMODE(os.stat({str(root)!r}).st_mode)))
+        """
+    )
+    cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+    if os.geteuid() != 0:
+        cmd = []
+    out = subprocess.run(
+        [*cmd, sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "0o700"
+
+
+@pytest.mark.parametrize("parts", [IOV_MAX - 1, IOV_MAX + 1, 3 * IOV_MAX + 5])
+def test_pages_of_more_parts_than_one_syscall_takes(tmp_path: Path, parts: int) -> None:
+    """A page is any number of parts: written and read back in calls of at most ``IOV_MAX``
+    parts (beyond it one ``pwritev`` fails with EINVAL, and the page with it); a page written
+    in one part reads back into many and the reverse."""
+    b = store(tmp_path / "l3")
+    n = parts * 4
+    keys = H[:2]
+    pages = [expected(h, n) for h in keys]
+
+    def scattered(page: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``page``'s bytes in 4-byte parts with a gap after each (adjacent parts would be
+        merged into one iovec); the backing tensor and the parts."""
+        backing = torch.full((2 * page.numel(),), 0xEE, dtype=torch.uint8)
+        backing.view(-1, 8)[:, :4] = page.view(-1, 4)
+        return backing, list(backing.view(-1, 8)[:, :4].unbind(0))
+
+    _, split = scattered(pages[0])
+    assert b.set([PoolTransfer("kv", keys[:1], [split])]).all_ok
+    assert b.set([PoolTransfer("kv", keys[1:], pages[1:])]).all_ok
+    one = torch.full((n,), 0xEE, dtype=torch.uint8)
+    backing, many = scattered(torch.zeros(n, dtype=torch.uint8))
+    # the many-part page read into one buffer; the one-part page read into many
+    assert b.get([PoolTransfer("kv", keys, [one, many])]).all_ok
+    assert torch.equal(one, pages[0])
+    assert torch.equal(torch.cat(many), pages[1])
+    assert torch.all(backing.view(-1, 8)[:, 4:] == 0xEE), "a gap between parts was written"
+    b.close()
+
+
+def test_segment_that_cannot_be_removed_still_counts(tmp_path: Path, monkeypatch) -> None:
+    """Eviction that cannot unlink a segment (EPERM on a shared root, say) counts its bytes as
+    still used and keeps its records indexed and served: the root stays within its capacity
+    instead of growing past it while the index forgets pages still on disk."""
+    record = RECORD_HEAD + PAGE
+    cap = 64 * record
+    b = store(tmp_path / "l3", capacity_bytes=cap, segment_bytes=8 * record)
+    real = os.unlink
+    refused: list[str] = []
+
+    def unlink(name, *args, **kwargs):
+        if str(name).endswith(".kvs"):
+            refused.append(str(name))
+            raise PermissionError(1, "Operation not permitted", name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(space_module.os, "unlink", unlink)
+    stored = []
+    for i in range(0, 160, 8):
+        keys = H[i : i + 8]
+        ok = b.set([PoolTransfer("kv", keys, [expected(h) for h in keys])]).ok["kv"]
+        stored += [h for h, good in zip(keys, ok) if good]
+        used = sum(p.stat().st_size for p in (tmp_path / "l3").iterdir() if p.is_file())
+        assert used <= cap + 16 * record, f"root at {used} B past its capacity of {cap} B"
+    assert refused, "no eviction was attempted: the test does not test anything"
+    # Every page whose segment is still on disk is still served, with its own bytes.
+    on_disk = {p.stem for p in (tmp_path / "l3").glob("*.kvs")}
+    for h in stored:
+        span = b.locate(f"{h}.kv")
+        if span is not None and Path(span.path).stem in on_disk:
+            out = [torch.zeros(PAGE, dtype=torch.uint8)]
+            assert b.get([PoolTransfer("kv", [h], out)]).all_ok
+            assert torch.equal(out[0], expected(h))
+    b.close()
+    assert stat.S_ISDIR(os.stat(tmp_path / "l3").st_mode)
