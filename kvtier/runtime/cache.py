@@ -34,11 +34,9 @@ boundary, and the finished request caches the state of its last page boundary.
 
 from __future__ import annotations
 
-import array
 import time
 from collections.abc import Callable, Hashable, Sequence
 
-import numpy as np
 import torch
 
 from kvtier.events.config import EventsConfig
@@ -52,6 +50,7 @@ from kvtier.runtime.l3.tier import L3Tier
 from kvtier.runtime.metrics import CacheMetrics
 from kvtier.runtime.request import Request
 from kvtier.runtime.slots import RequestSlots
+from kvtier.runtime.tokens import token_list
 from kvtier.runtime.tp import all_reduce_max, rank_and_size
 from kvtier.runtime.tree.retention import (
     RetentionBudget,
@@ -437,45 +436,6 @@ class TieredKVCache:
         if self.requests.get(id(req)) is not req:
             raise ValueError("req: the request was not matched by this cache (another cache's?)")
 
-    def _check_tokens(self, req: Request) -> None:
-        """Refuse ``req.token_ids`` that the tree cannot take as the request's tokens: values
-        ``match`` would refuse, too few for the computed positions, or a different prefix
-        where the request holds the tree's own slots (``cache_protected_len``: inserting those
-        ids would give a second node the same slots). A list of ints is kept as is; other
-        accepted forms (a tensor, an array) become one, as ``match`` takes them."""
-        tokens, n = req.token_ids, req.cache_protected_len
-        # The values past the cached prefix (a list's prefix is checked against the tree's
-        # keys below, which equality makes valid: no second pass over a long prompt).
-        some, past = (tokens[n:], n) if isinstance(tokens, list) else (tokens, 0)
-        if len(some):
-            try:
-                checked = token_list(some)
-            except (TypeError, ValueError) as e:
-                where = f"req.token_ids[{past}:]" if past else "req.token_ids"
-                raise type(e)(str(e).replace("token_ids", where, 1)) from None
-            if not isinstance(tokens, list):  # a list stays the caller's own object
-                tokens = checked
-        if len(tokens) < max(req.computed_len, n):
-            raise ValueError(
-                f"req.token_ids: {len(tokens)} token ids for {req.computed_len} computed "
-                "positions; set req.token_ids to the prompt and the tokens fed back since"
-            )
-        if n and req.pin is not None:
-            node, end = req.pin.node, req.pin.node_end
-            while node.parent is not None and end > 0:
-                start = end - len(node.key)
-                if start < n:
-                    hi = min(end, n)
-                    if tokens[start:hi] != node.key[: hi - start]:
-                        raise ValueError(
-                            f"req.token_ids: positions [{start}, {hi}) differ from the cached "
-                            f"prefix the request was matched on ({n} tokens whose slots the "
-                            "tree owns); only positions from there on may change"
-                        )
-                node, end = node.parent, start
-        if tokens is not req.token_ids:
-            req.token_ids = tokens
-
     # -- caching requests ------------------------------------------------------------------
 
     def cache_finished_req(self, req: Request) -> None:
@@ -485,7 +445,6 @@ class TieredKVCache:
         and every generated token fed back); the tree keeps their whole pages.
         """
         self._check_request(req)
-        self._check_tokens(req)
         self._inserts.finish(req)
         self.requests.pop(id(req), None)
         req.released = "finished"
@@ -506,7 +465,6 @@ class TieredKVCache:
     def cache_unfinished_req(self, req: Request) -> None:
         """Checkpoint a running request's full pages into the tree (chunked prefill, decode)."""
         self._check_request(req)
-        self._check_tokens(req)
         self._inserts.checkpoint(req)
 
     # -- per step ----------------------------------------------------------------------------
@@ -579,56 +537,6 @@ class TieredKVCache:
     def metrics_collector(self):
         """A ``prometheus_client`` collector of every counter, for the engine's registry."""
         return self._metrics.collector()
-
-
-def token_list(token_ids) -> list[int]:
-    """Token ids as a list of Python ints: a sequence of ints, a 1-D integer tensor or a 1-D
-    integer numpy array. Raises ``TypeError``/``ValueError`` naming ``token_ids`` otherwise."""
-    if isinstance(token_ids, torch.Tensor):
-        if (
-            token_ids.dim() != 1
-            or token_ids.dtype.is_floating_point
-            or token_ids.dtype in (torch.bool, torch.complex64, torch.complex128)
-        ):
-            raise TypeError(
-                f"token_ids: expected a 1-D integer tensor, got {token_ids.dim()}-D "
-                f"{token_ids.dtype}"
-            )
-        tokens = token_ids.tolist()
-    elif isinstance(token_ids, np.ndarray):
-        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
-            raise TypeError(
-                f"token_ids: expected a 1-D integer array, got {token_ids.ndim}-D {token_ids.dtype}"
-            )
-        tokens = token_ids.tolist()
-    elif isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
-        raise TypeError(
-            f"token_ids: expected a sequence of ints, a 1-D integer tensor or array, got "
-            f"{type(token_ids).__name__}"
-        )
-    else:
-        tokens = list(token_ids)
-        if set(map(type, tokens)) - {int}:  # one C pass (all(... is int) costs 1.5x as much)
-            for i, t in enumerate(tokens):
-                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                    raise TypeError(
-                        f"token_ids: position {i} holds {t!r} ({type(t).__name__}), not an int"
-                    )
-            tokens = [int(t) for t in tokens]
-    if not tokens:
-        raise ValueError("token_ids: needs at least one token")
-    try:  # packed as int64 in C (which bounds them above), then the minimum in numpy: ~30%
-        # cheaper than min() and max()
-        lo = int(np.frombuffer(array.array("q", tokens), dtype=np.int64).min())
-        bad = lo if lo < 0 else None
-    except OverflowError:  # an id outside int64: below -2**63 or from 2**63 up
-        lo, hi = min(tokens), max(tokens)
-        bad = lo if lo < 0 else hi
-    if bad is not None:
-        raise ValueError(
-            f"token_ids: token id {bad} at position {tokens.index(bad)} is outside [0, 2**63)"
-        )
-    return tokens
 
 
 def _check_namespace(namespace: Hashable) -> None:

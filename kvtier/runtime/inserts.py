@@ -15,6 +15,7 @@ import torch
 
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.request import Request
+from kvtier.runtime.tokens import token_list
 
 if TYPE_CHECKING:
     from kvtier.runtime.config import CacheConfig
@@ -96,9 +97,41 @@ class RequestInserts:
 
 
 def check_tokens_cover(req: Request) -> None:
-    """Refuse a request whose ``token_ids`` do not name every computed position."""
-    if len(req.token_ids) < req.computed_len:
+    """Refuse ``req.token_ids`` that the tree cannot take as the request's tokens: values
+    ``match`` would refuse (past the cached prefix), too few for the computed positions, or a
+    different prefix where the request holds the tree's own slots (``cache_protected_len``:
+    inserting those ids would give a second node the same slots, then a double free at the
+    next eviction). A list stays the caller's own object; a tensor or an array becomes a list,
+    as ``match`` takes them. Nothing changes when it raises."""
+    tokens, n = req.token_ids, req.cache_protected_len
+    # The values past the cached prefix only: a list's prefix is checked against the tree's
+    # keys below, which equality makes valid (no second pass over a long prompt).
+    some, past = (tokens[n:], n) if isinstance(tokens, list) else (tokens, 0)
+    if len(some):
+        try:
+            checked = token_list(some)
+        except (TypeError, ValueError) as e:
+            where = f"req.token_ids[{past}:]" if past else "req.token_ids"
+            raise type(e)(str(e).replace("token_ids", where, 1)) from None
+        if not isinstance(tokens, list):
+            tokens = checked
+    if len(tokens) < max(req.computed_len, n):
         raise ValueError(
-            f"req.token_ids: {len(req.token_ids)} token ids for {req.computed_len} computed "
+            f"req.token_ids: {len(tokens)} token ids for {req.computed_len} computed "
             "positions; set req.token_ids to the prompt and the tokens fed back since"
         )
+    if n and req.pin is not None:
+        node, end = req.pin.node, req.pin.node_end
+        while node.parent is not None and end > 0:
+            start = end - len(node.key)
+            if start < n:
+                hi = min(end, n)
+                if tokens[start:hi] != node.key[: hi - start]:
+                    raise ValueError(
+                        f"req.token_ids: positions [{start}, {hi}) differ from the cached "
+                        f"prefix the request was matched on ({n} tokens whose slots the tree "
+                        "owns); only positions from there on may change"
+                    )
+            node, end = node.parent, start
+    if tokens is not req.token_ids:
+        req.token_ids = tokens
