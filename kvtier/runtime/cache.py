@@ -138,6 +138,7 @@ class TieredKVCache:
             parts.device,
         )
         self.requests: dict[int, Request] = {}
+        self._closed = False
         self.events = self._start_events(events, tp_group)
         if self.device.type == "cuda":
             self.warmup()
@@ -184,6 +185,7 @@ class TieredKVCache:
 
         The returned request owns a pin on its cached prefix until ``cache_finished_req``.
         """
+        self._check_open()
         cfg, tree = self.config, self.tree
         tokens = token_list(token_ids)
         _check_namespace(namespace)
@@ -204,6 +206,15 @@ class TieredKVCache:
         node = m.last_device_node
         req.pin = tree.pin(node) if node is not tree.root else None
         req.device_hit = req.cache_protected_len = m.device_len
+        slot = None
+        if self.mamba_pool is not None:
+            # The request's own state slot before any load-back, which takes state slots too:
+            # taking the last one there made this raise after committing the load.
+            slot = tree.alloc_or_evict(tree.mamba, 1)
+            if slot is None:
+                if req.pin is not None:  # the request never started: release its pin
+                    tree.unpin(req.pin)
+                raise RuntimeError("mamba: no free state slot for the request")
         if (
             m.best_match_node is not node
             and m.host_hit_length >= max(cfg.load_back_min_tokens, 1)
@@ -224,10 +235,12 @@ class TieredKVCache:
                 self.counters.load_backs_skipped += 1
         elif m.best_match_node is not node:
             self.counters.load_backs_skipped += 1
-        if self.mamba_pool is not None:
+        if slot is not None:
             try:
-                self._slots.give_mamba_state(req, node)
+                self._slots.give_mamba_state(req, node, slot)
             except RuntimeError:
+                tree.mamba.device_alloc.free(slot)
+                req.mamba_slot = None
                 if req.pin is not None:  # the request never started: release its pin
                     tree.unpin(req.pin)
                 raise
@@ -251,6 +264,7 @@ class TieredKVCache:
         cached, and ``RetentionRefused`` (a ``RuntimeError``, counted) when the pin exceeds the
         budget and ``retention_overflow`` cannot make room. Under TP every rank pins alike.
         """
+        self._check_open()
         try:
             tokens = token_list(prefix)
         except (TypeError, ValueError) as e:
@@ -290,6 +304,7 @@ class TieredKVCache:
         None when no prefetch was started (no storage, too short, host pool busy). Under TP
         every rank must make the same calls in the same order.
         """
+        self._check_open()
         tokens = token_list(token_ids)
         _check_namespace(namespace)
         if self.l3 is None:
@@ -362,6 +377,7 @@ class TieredKVCache:
 
     def start_loading(self) -> bool:
         """Start every queued load-back (once per batch, before the forward pass)."""
+        self._check_open()
         return self.controller.start_loading()
 
     def wait_layer(self, layer: int, requests: Sequence[Request] = ()) -> None:
@@ -424,8 +440,13 @@ class TieredKVCache:
         self._check_request(req)
         self._slots.computed(req, n_tokens)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("cache: closed by close(); make a new TieredKVCache")
+
     def _check_request(self, req: Request) -> None:
         """Refuse a request that is not one of this cache's running requests."""
+        self._check_open()
         if not isinstance(req, Request):
             raise TypeError(f"req: expected a Request from match(), got {type(req).__name__}")
         if req.released:
@@ -474,6 +495,7 @@ class TieredKVCache:
         (call once per scheduler step; under TP, one all-reduce). Storage changes every rank
         has asked for are applied here, and expired retention pins released (on the agreed
         clock under TP: ``RetentionClock``)."""
+        self._check_open()
         extra = self._storage.votes(self._clock.local_ms())
         acks = self.controller.poll(extra)
         self._clock.agree(self._storage.apply(extra).clock_ms)
@@ -496,9 +518,10 @@ class TieredKVCache:
         """Wait for and acknowledge every copy in flight, and every L3 backup and prefetch.
 
         Ends when every rank has nothing outstanding (agreed: MAX), so ranks stay in step.
+        After ``close`` only the copies are waited for (the L3 threads are stopped).
         """
         self.controller.drain()
-        if self.l3 is None:
+        if self.l3 is None or self._closed:
             return
         while True:
             self.l3.wait_some(0.05)
@@ -508,7 +531,12 @@ class TieredKVCache:
                 return
 
     def close(self) -> None:
-        """Stop the L3 threads and release the backend (after ``drain``)."""
+        """Stop the L3 threads and release the backend (after ``drain``). Later calls that
+        would start work (``match``, ``prefetch``, ``pin``, ``start_loading``, ``poll``, and
+        every call on a request) raise ``ValueError``; a second ``close`` does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.events is not None:
             self.events.close()  # publishes that this instance holds nothing any more
         self._storage.close()

@@ -189,12 +189,10 @@ class RequestSlots:
 
     # -- Mamba state -----------------------------------------------------------------------------
 
-    def give_mamba_state(self, req: Request, node: TreeNode) -> None:
-        """A state slot for the request: a copy of the anchor's state, or zeros from position 0."""
+    def give_mamba_state(self, req: Request, node: TreeNode, slot: torch.Tensor) -> None:
+        """The request's state slot ``slot`` (taken by the caller): a copy of the anchor's
+        state, or zeros from position 0."""
         tree, pool = self.tree, self.mamba_pool
-        slot = tree.alloc_or_evict(tree.mamba, 1)
-        if slot is None:
-            raise RuntimeError("mamba: no free state slot for the request")
         req.mamba_slot = slot
         src = node.value[tree.mamba.slot] if node is not tree.root else None
         if req.cached_len and src is None:

@@ -29,7 +29,7 @@ def make_cache(kinds=("full", "swa", "mamba"), policy="write_through", **kw) -> 
         dtype=torch.float32,
         swa_window=8 if "swa" in kinds else None,
         mamba=SPEC if "mamba" in kinds else None,
-        mamba_slots=8 if "mamba" in kinds else None,
+        mamba_slots=kw.pop("mamba_slots", 8) if "mamba" in kinds else None,
         host_ratio=4.0,
         write_policy=policy,
         **kw,
@@ -423,3 +423,107 @@ def test_wait_layer_takes_requests_as_any_iterable(how):
     assert torch.all(states[:, int(req.mamba_slot)] == 42.0)
     cache.abort(req)
     cache.check_integrity()
+
+
+def test_match_takes_the_requests_state_slot_before_a_load_back():
+    """A host hit with a Mamba state when one state slot is left: the request gets that slot
+    (its live state) and the load-back, which needs a slot of its own, is skipped and counted.
+    It used to commit the load-back (KV slots, a queued copy, the last slot) and then raise
+    for want of the request's slot, leaving the books changed and no request."""
+    cache = make_cache(("full", "mamba"), mamba_slots=2)
+    prompt = list(range(1, 18))
+    serve(cache, prompt)
+    cache.drain()
+    cache.evict(10**6)
+    cache.poll()
+    cache.check_integrity()
+    hold = cache.match([100, 101, 102])  # a running request holds one of the two slots
+    skipped = cache.counters.load_backs_skipped
+    req = cache.match(prompt + [7, 7, 7, 9])
+    assert req.mamba_slot is not None and req.host_hit == 0
+    assert cache.counters.load_backs_skipped == skipped + 1
+    cache.check_integrity()
+    for r in (req, hold):
+        cache.abort(r)
+    again = cache.match(prompt + [7, 7, 7, 9])  # with slots free, the host hit loads back
+    assert again.host_hit > 0
+    cache.abort(again)
+    cache.drain()
+    cache.check_integrity()
+
+
+def test_closed_cache_refuses_work_and_drain_returns(tmp_path):
+    """After ``close`` (the L3 threads stopped), calls that would start work raise
+    ``ValueError`` naming the closed cache instead of queueing L3 jobs no thread will run
+    (``drain`` then waited for them forever); ``drain`` and a second ``close`` return."""
+    import threading
+
+    from kvtier.runtime.config import StorageConfig
+
+    cache = make_cache(
+        ("full",),
+        model_id="m@1",
+        storage=StorageConfig(backend="file", backend_config={"root": str(tmp_path / "l3")}),
+    )
+    prompt = list(range(1, 18))
+    live = cache.match(prompt + [1])
+    serve(cache, prompt)
+    cache.drain()
+    cache.close()
+    calls = {  # name -> a call that must be refused
+        "match": lambda: cache.match(prompt),
+        "prefetch": lambda: cache.prefetch(prompt + [1, 2, 3, 4, 5]),
+        "pin": lambda: cache.pin(prompt, ttl_s=10.0),
+        "start_loading": cache.start_loading,
+        "poll": cache.poll,
+        "reserve": lambda: cache.reserve(live, 20),
+        "finish": lambda: cache.cache_finished_req(live),
+        "abort": lambda: cache.abort(live),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="closed"):
+            call()
+            pytest.fail(f"{name} after close was accepted")
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (cache.drain(), done.set()), daemon=True)
+    t.start()
+    assert done.wait(10.0), "drain after close did not return"
+    cache.close()
+
+
+def test_abort_prefetch_refuses_another_caches_prefetch(tmp_path):
+    """``abort_prefetch`` with a prefetch another cache started raises ``ValueError`` naming
+    ``prefetch`` and leaves it alone: it used to cancel it in its own cache (whose match then
+    lost the host hit) before failing on its own queue."""
+    from kvtier.runtime.config import StorageConfig
+
+    def l3_cache(root):
+        storage = StorageConfig(
+            backend="file",
+            backend_config={"root": str(root)},
+            prefetch_min_tokens=4,
+            prefetch_policy="wait_complete",
+        )
+        return make_cache(("full",), model_id="m@1", storage=storage)
+
+    prompt = list(range(1, 18))
+    writer = l3_cache(tmp_path / "a")
+    serve(writer, prompt)
+    writer.drain()
+    writer.close()
+    owner, other = l3_cache(tmp_path / "a"), l3_cache(tmp_path / "b")
+    pf = owner.prefetch(prompt + [5])
+    assert pf is not None
+    before = books(owner)
+    with pytest.raises(ValueError, match="prefetch: not one of this cache's"):
+        other.abort_prefetch(pf)
+    assert not pf.cancel.is_set() and books(owner) == before
+    owner.drain()
+    assert pf.done
+    req = owner.match(prompt + [5])
+    assert req.host_hit == 16
+    owner.abort(req)
+    owner.check_integrity()
+    other.check_integrity()
+    for c in (owner, other):
+        c.close()

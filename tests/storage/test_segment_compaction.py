@@ -355,6 +355,35 @@ def test_compaction_candidates_kept_up_to_date_equal_a_full_scan(tmp_path: Path,
                 got = x._compactor._candidate_locked()
                 want = _scan(x)
                 assert (None if got is None else got.live_bytes / got.end) == want
+    # Another store's new segments reach ``a`` within max(list_interval_s, 10 x a listing's
+    # own time): not at once even with list_interval_s=0 when a listing was slow (a loaded
+    # machine), so ``a`` lists now. (A segment compacted away under ``a``'s books is found
+    # by the read itself: ``Reader.read`` lists again when a segment cannot be opened.)
+    with a._index.mutex:
+        a._index.forget_listing_locked()
     assert served(a, stored) == [True] * len(stored)
     for x in stores:
+        x.close()
+
+
+def test_read_finds_records_another_store_compacted_away(tmp_path: Path) -> None:
+    """Store ``a`` indexed a segment (without opening it) that store ``b`` then compacted away
+    (its live records copied to a new segment first). ``a`` lists the root rarely
+    (``list_interval_s``), and a key it holds does not make it look: the read itself, finding
+    the old segment gone, lists and plans again, so the pages stay served instead of missing
+    until the next listing."""
+    root = tmp_path / "l3"
+    b = store(root, compact_below=0.6)
+    first, second = H[:8], H[8:16]
+    assert put(b, first) == [True] * 8  # one whole segment
+    assert put(b, second) == [True] * 8  # the first one finished
+    a = store(root, list_interval_s=3600, compact_below=0)  # lists once, at start
+    span = a.locate(f"{first[0]}.kv.r0")  # indexed; its segment not opened by a yet
+    assert span is not None
+    old = Path(span.path)
+    assert b.delete([PoolTransfer("kv", first[2:])]).all_ok
+    assert put(b, H[16:17]) == [True]  # b's compactor copies first[:2] and deletes the segment
+    assert not old.exists(), "the test needs b to compact the segment away"
+    assert served(a, first[:2]) == [True, True]
+    for x in (a, b):
         x.close()

@@ -135,3 +135,58 @@ def test_segment_that_cannot_be_removed_still_counts(tmp_path: Path, monkeypatch
             assert torch.equal(out[0], expected(h))
     b.close()
     assert stat.S_ISDIR(os.stat(tmp_path / "l3").st_mode)
+
+
+def test_eviction_keeps_fresh_pages_another_store_listed_early(tmp_path: Path, monkeypatch) -> None:
+    """A store that listed another writer's segment while its journal was still empty counts
+    no live record there until it reads the journal. Eviction must not take that for "all
+    superseded" (evicted first, before LRU order): the other writer's fresh pages stay and the
+    hour-old ones go. The hooks force a timing that happens by itself with big batches."""
+    from kvtier.storage.segments.writer import Lane
+
+    root = tmp_path / "l3"
+    record = RECORD_HEAD + PAGE
+    kw = dict(capacity_bytes=80 * record, segment_bytes=16 * record, io_threads=0)
+    old, fresh, big = H[:48], H[100:116], H[200:232]
+
+    def put(b: SegmentBackend, keys: list[str]) -> bool:
+        return b.set([PoolTransfer("kv", keys, [expected(h) for h in keys])]).all_ok
+
+    first = store(root, **kw)
+    assert put(first, old)  # three segments
+    first.close()
+    hour_ago = os.stat(root).st_mtime - 3600
+    for p in root.iterdir():
+        os.utime(p, (hour_ago, hour_ago))
+    a, b = store(root, **kw), store(root, **kw)
+    roll, append_some = Lane._roll, Lane._append_some
+    state = {"b_rolls": 0, "listed": False}
+
+    def hooked_append(self, *args, **kwargs):
+        if self._name in a._index.writers and not state["listed"]:
+            state["listed"] = True  # b lists the root: a's new segment, its journal empty
+            b.exists([PoolTransfer("kv", [H[255]])])
+        return append_some(self, *args, **kwargs)
+
+    def hooked_roll(self, need, tombstones=0):
+        if self._name in b._index.writers:
+            state["b_rolls"] += 1
+            if state["b_rolls"] == 2:  # b in the middle of a big batch: a writes and finishes
+                assert put(a, fresh)
+                a.close()
+        return roll(self, need, tombstones)
+
+    monkeypatch.setattr(Lane, "_append_some", hooked_append)
+    monkeypatch.setattr(Lane, "_roll", hooked_roll)
+    assert put(b, big)
+    monkeypatch.undo()
+    assert state["listed"] and state["b_rolls"] >= 2
+    reader = store(root, **kw)
+    out = [torch.zeros(PAGE, dtype=torch.uint8) for _ in fresh]
+    ok = reader.get([PoolTransfer("kv", fresh, out)]).ok["kv"]
+    assert all(ok), f"{ok.count(False)} of the freshest pages evicted before hour-old ones"
+    assert all(torch.equal(o, expected(h)) for o, h in zip(out, fresh))
+    out = [torch.zeros(PAGE, dtype=torch.uint8) for _ in old]
+    assert not all(reader.get([PoolTransfer("kv", old, out)]).ok["kv"]), "nothing was evicted"
+    for x in (b, reader):
+        x.close()

@@ -302,6 +302,11 @@ class L3Tier:
         """Stop ``op`` and release what it holds (each resource once; a done op is left alone)."""
         if op.done:
             return
+        queue = self._querying if op.state == "query" else self._loading
+        if not any(x is op for x in queue):
+            raise ValueError(
+                f"prefetch: not one of this cache's prefetches in flight (another cache's?): {op!r:.120}"
+            )
         op.cancel.set()
         if op.state == "query":
             self._querying.remove(op)

@@ -115,6 +115,23 @@ class Reader:
             if plan is not None:
                 for seg in plan.used:
                     fds[seg] = index.pin_locked(seg)
+                if any(fd < 0 for fd in fds.values()):
+                    # A segment could not be opened: most likely another process deleted it
+                    # (compacted or evicted) since this process last listed the root, which the
+                    # listing's rate limit may hold back for up to ``list_interval_s``. Live
+                    # records are copied, and journaled, before a compactor deletes: list and
+                    # tail now and plan again, once, instead of missing pages still stored.
+                    for seg, fd in fds.items():
+                        if fd >= 0:
+                            index.unpin_locked(seg)
+                    index.forget_listing_locked()
+                    index.refresh_locked(tail=True)
+                    locs = list(map(get, keys))
+                    plan = _plan(locs, lengths)
+                    fds = {}
+                    if plan is not None:
+                        for seg in plan.used:
+                            fds[seg] = index.pin_locked(seg)
         out = [False] * len(keys)
         bad: list[int] = []
         try:

@@ -5,10 +5,10 @@ Creating a segment is the only point where space is taken, under an exclusive ``
 the sizes of every segment and journal in the root, and while the new segment (plus its journal's
 reservation) does not fit under ``capacity_bytes`` deletes whole segments: first leftovers (a
 segment without its journal or the reverse), then segments none of whose records the index still
-uses (all superseded or dropped), then the least recently used by file mtime. Writers stamp their
-segment's mtime after every batch and readers stamp a segment they read from (at most once per
-``touch_interval_s``), so mtime order is an LRU order at segment granularity, shared by every
-process and kept across restarts.
+uses (all superseded or dropped; known only where the index has read the whole journal), then
+the least recently used by file mtime. Writers stamp their segment's mtime after every batch and
+readers stamp a segment they read from (at most once per ``touch_interval_s``), so mtime order
+is an LRU order at segment granularity, shared by every process and kept across restarts.
 
 A writer holds ``flock(LOCK_SH)`` on its active segment from creation until it moves on, and a
 segment is deleted only while ``flock(LOCK_EX | LOCK_NB)`` on it holds: no process deletes what
@@ -83,7 +83,19 @@ class Space:
         if used + need <= cap:
             return True
         with self._index.mutex:
-            live = {stem: seg.live for stem, seg in self._index.segments.items()}
+            own = self._index.writers
+            # Live counts known to be whole: this process's own segments (it indexes what it
+            # journals), and others' whose journal this process has read up to its size in the
+            # listing. Another writer's segment listed while its journal was still empty (its
+            # data landing) would otherwise count zero live records until a catch-up, and its
+            # newest pages go first (measured: ~3% of evictions with two writers).
+            live = {
+                stem: seg.live
+                for stem, seg in self._index.segments.items()
+                if seg.writer in own
+                or "kvj" in files.get(stem, {})
+                and seg.jpos >= files[stem]["kvj"].st_size
+            }
             # A segment whose journal holds a tombstone in force is not dead: dropping it early
             # would bring the deleted records back (after a restart, or in a process that had
             # not read it yet).
