@@ -403,8 +403,8 @@ class TieredKVCache:
         """Make ``req.kv_slots`` cover ``total_tokens`` positions (whole pages); returns them.
 
         Takes FULL slots only; a hybrid model's SWA slots are taken step by step by
-        ``begin_step``. Raises ``RuntimeError`` (evicting nothing, taking nothing) when even
-        evicting every unpinned cached page would not make room.
+        ``begin_step``. Raises ``RuntimeError``, taking nothing, when room cannot be made (see
+        ``RequestSlots._make_room``: pages it evicted before finding that out stay on host).
         """
         self._check_request(req)
         _check_count(total_tokens, "total_tokens")
@@ -570,8 +570,12 @@ class TieredKVCache:
 def _check_namespace(namespace: Hashable) -> None:
     """A request namespace the tree can key and L3 can encode (``canonical_namespace``)."""
     canonical_namespace(namespace)
-    if isinstance(namespace, set):
-        raise TypeError("namespace: a set cannot key the tree (unhashable); pass a frozenset")
+    try:
+        hash(namespace)
+    except TypeError as e:  # a set, or a tuple holding one: it cannot key the tree
+        raise TypeError(
+            f"namespace: {namespace!r:.80} cannot key the tree ({e}); use tuples and frozensets"
+        ) from None
 
 
 def _check_count(n: int, arg: str) -> None:

@@ -90,7 +90,9 @@ class RequestSlots:
 
     def _make_room(self, need: int) -> None:
         """Evict just the shortfall for ``need`` new FULL slots; raise, evicting nothing, if even
-        every evictable token would not be enough."""
+        every evictable token would not be enough. That count includes leaves eviction then
+        keeps on device (write-back with no host room, retained data with no host copy): then
+        the caller raises after evicting what it could, whose data stays on host."""
         a = self.kv_alloc
         free = a.full_available_size() if self.swa else a.available_size()
         short = need - free

@@ -19,11 +19,13 @@ def token_list(token_ids) -> list[int]:
         if (
             token_ids.dim() != 1
             or token_ids.dtype.is_floating_point
-            or token_ids.dtype in (torch.bool, torch.complex64, torch.complex128)
+            or token_ids.dtype.is_complex
+            or token_ids.dtype is torch.bool
+            or token_ids.device.type == "meta"  # no values to read
         ):
             raise TypeError(
                 f"token_ids: expected a 1-D integer tensor, got {token_ids.dim()}-D "
-                f"{token_ids.dtype}"
+                f"{token_ids.dtype} on {token_ids.device}"
             )
         tokens = token_ids.tolist()
     elif isinstance(token_ids, np.ndarray):
@@ -32,7 +34,9 @@ def token_list(token_ids) -> list[int]:
                 f"token_ids: expected a 1-D integer array, got {token_ids.ndim}-D {token_ids.dtype}"
             )
         tokens = token_ids.tolist()
-    elif isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+    elif isinstance(token_ids, (str, bytes, bytearray, memoryview)) or not isinstance(
+        token_ids, Sequence
+    ):
         raise TypeError(
             f"token_ids: expected a sequence of ints, a 1-D integer tensor or array, got "
             f"{type(token_ids).__name__}"

@@ -115,6 +115,20 @@ BAD_CALLS = [
     ),
     ("match-float-tensor", lambda c, r, x: c.match(torch.ones(4)), TypeError, "token_ids"),
     (
+        "match-complex32-tensor",
+        lambda c, r, x: c.match(torch.zeros(4, dtype=torch.complex32)),
+        TypeError,
+        "token_ids",
+    ),
+    (
+        "match-meta-tensor",
+        lambda c, r, x: c.match(torch.zeros(4, dtype=torch.int64, device="meta")),
+        TypeError,
+        "token_ids",
+    ),
+    ("match-bytearray", lambda c, r, x: c.match(bytearray(b"\x01\x02")), TypeError, "token_ids"),
+    ("match-memoryview", lambda c, r, x: c.match(memoryview(b"\x01\x02")), TypeError, "token_ids"),
+    (
         "match-bool-tensor",
         lambda c, r, x: c.match(torch.ones(4, dtype=torch.bool)),
         TypeError,
@@ -146,6 +160,12 @@ BAD_CALLS = [
         "namespace",
     ),
     ("match-ns-set", lambda c, r, x: c.match([1, 2], namespace={"a"}), TypeError, "namespace"),
+    (
+        "match-ns-tuple-of-set",
+        lambda c, r, x: c.match([1, 2], namespace=("a", {"b"})),
+        TypeError,
+        "namespace",
+    ),
     ("match-priority-str", lambda c, r, x: c.match([1, 2], priority="high"), TypeError, "priority"),
     ("match-priority-float", lambda c, r, x: c.match([1, 2], priority=1.5), TypeError, "priority"),
     ("prefetch-str", lambda c, r, x: c.prefetch("abc"), TypeError, "token_ids"),

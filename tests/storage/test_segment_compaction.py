@@ -387,3 +387,24 @@ def test_read_finds_records_another_store_compacted_away(tmp_path: Path) -> None
     assert served(a, first[:2]) == [True, True]
     for x in (a, b):
         x.close()
+
+
+def test_compaction_drops_a_record_that_would_end_past_its_segment(tmp_path: Path) -> None:
+    """A journal entry whose record would end past its segment's file (crafted, or another
+    file's) is dropped by compaction, not sized into its copy buffer (a length of a terabyte
+    failed the whole compaction; a few GB would have been allocated): the other live records
+    are copied, the segment goes, and the liar's key is a miss."""
+    root = tmp_path / "l3"
+    b = store(root, compact_below=0.6)
+    first = H[:8]
+    assert put(b, first) == [True] * 8
+    assert put(b, H[8:16]) == [True] * 8  # the first segment finished
+    key = f"{first[0]}.kv.r0"
+    with b._index.mutex:
+        b._index.entries[key] = b._index.entries[key]._replace(length=1 << 40)
+    old = Path(b.locate(key).path)  # type: ignore[union-attr]
+    assert b.delete([PoolTransfer("kv", first[2:])]).all_ok
+    assert put(b, H[16:17]) == [True]  # compaction of the first segment
+    assert not old.exists()
+    assert served(b, first[:2]) == [False, True]
+    b.close()

@@ -120,8 +120,14 @@ class Compactor:
         ``OSError`` when a record cannot be read or appended: the segment then stays."""
         if not live:
             return 0, 0
+        # A record that would end past the segment's file is not one (a journal entry that
+        # lies, crafted or from another file): dropped, never sized into the buffer.
+        size = os.fstat(fd).st_size
+        bad = [(key, loc) for key, loc in live if loc.offset + loc.length > size]
+        if bad:
+            live = [(key, loc) for key, loc in live if loc.offset + loc.length <= size]
         buf = memoryview(bytearray(sum(loc.length for _, loc in live)))
-        keys, parts, lengths, bad = [], [], [], []
+        keys, parts, lengths = [], [], []
         at = 0
         for key, loc in live:
             payload = buf[at : at + loc.length]
