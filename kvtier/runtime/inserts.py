@@ -46,7 +46,8 @@ class RequestInserts:
     def finish(self, req: Request) -> None:
         """Insert a finished request's cacheable prefix and free its live Mamba slot; the
         caller then marks it released and calls :meth:`back_up`."""
-        check_tokens_cover(req)
+        P = self.config.page_size
+        check_tokens_cover(req, prefix=req.computed_len // P * P >= req.cache_protected_len)
         with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
             live = self._trim(req)
             self.tree.cache_finished_req(req)
@@ -55,7 +56,10 @@ class RequestInserts:
 
     def checkpoint(self, req: Request) -> None:
         """Insert a running request's whole computed pages; it keeps running on them."""
-        check_tokens_cover(req)
+        P = self.config.page_size
+        # The tree reads the cached prefix only when whole pages past it are inserted: a decode
+        # step that completes no page pays no walk over a long prompt.
+        check_tokens_cover(req, prefix=req.computed_len // P * P > req.cache_protected_len)
         with nvtx_range(f"kvtier.insert {req.computed_len} tokens"):
             tokens = req.token_ids
             req.token_ids = tokens[: req.computed_len]
@@ -96,18 +100,21 @@ class RequestInserts:
         return live
 
 
-def check_tokens_cover(req: Request) -> None:
+def check_tokens_cover(req: Request, prefix: bool = True) -> None:
     """Refuse ``req.token_ids`` that the tree cannot take as the request's tokens: values
-    ``match`` would refuse (past the cached prefix), too few for the computed positions, or a
-    different prefix where the request holds the tree's own slots (``cache_protected_len``:
-    inserting those ids would give a second node the same slots, then a double free at the
-    next eviction). A list stays the caller's own object; a tensor or an array becomes a list,
-    as ``match`` takes them. Nothing changes when it raises."""
+    ``match`` would refuse (past the cached prefix), too few for the computed positions, or,
+    with ``prefix`` (the tree will walk it), another prefix or namespace where the request
+    holds the tree's own slots (``cache_protected_len``: inserting those ids would give a
+    second node the same slots, then a double free at the next eviction). A list stays the
+    caller's own object; a tensor or an array becomes a list, as ``match`` takes them. Nothing
+    changes when it raises."""
     tokens, n = req.token_ids, req.cache_protected_len
     # The values past the cached prefix only: a list's prefix is checked against the tree's
     # keys below, which equality makes valid (no second pass over a long prompt).
     some, past = (tokens[n:], n) if isinstance(tokens, list) else (tokens, 0)
-    if len(some):
+    if past and len(some) <= 64 and all(type(t) is int and 0 <= t < 1 << 63 for t in some):
+        pass  # a decode step's few new ids: no numpy round trip
+    elif len(some):
         try:
             checked = token_list(some)
         except (TypeError, ValueError) as e:
@@ -120,7 +127,12 @@ def check_tokens_cover(req: Request) -> None:
             f"req.token_ids: {len(tokens)} token ids for {req.computed_len} computed "
             "positions; set req.token_ids to the prompt and the tokens fed back since"
         )
-    if n and req.pin is not None:
+    if prefix and n and req.pin is not None:
+        if req.pin.node.namespace != req.namespace:
+            raise ValueError(
+                f"req.namespace: {req.namespace!r:.80} is not the namespace the request was "
+                f"matched in ({req.pin.node.namespace!r:.80}), whose slots it holds"
+            )
         node, end = req.pin.node, req.pin.node_end
         while node.parent is not None and end > 0:
             start = end - len(node.key)

@@ -70,7 +70,7 @@ from kvtier.storage.page_format import (
     verify,
 )
 from kvtier.storage.segments import SegmentBackend, SegmentBackendConfig
-from kvtier.storage.segments.io import remaining
+from kvtier.storage.segments.io import IOV_MAX, remaining
 from kvtier.storage.segments.root import open_root
 
 __all__ = ["FileBackend", "FileBackendConfig", "FilePerPageBackend", "FilePerPageConfig"]
@@ -372,9 +372,9 @@ class FilePerPageBackend(StorageBackend):
                 # A whole object of another size: the caller's buffer is wrong; else a torn one.
                 return False if self._self_consistent(fd, st.st_size) else _BAD
             iovecs = [hview, *parts]
-            got = os.readv(fd, iovecs)
+            got = os.readv(fd, iovecs[:IOV_MAX])  # a page may have more parts than one call takes
             while got < want:  # short reads are rare on regular files but legal
-                n = os.readv(fd, remaining(iovecs, got))
+                n = os.readv(fd, remaining(iovecs, got)[:IOV_MAX])
                 if n == 0:
                     return _BAD
                 got += n
@@ -451,9 +451,9 @@ class FilePerPageBackend(StorageBackend):
             fd = os.open(tmp, _OPEN_TMP, self.config.file_mode, dir_fd=d)
             try:
                 os.fchmod(fd, self.config.file_mode)  # exactly, whatever the umask took away
-                done = os.writev(fd, iovecs)
+                done = os.writev(fd, iovecs[:IOV_MAX])  # at most IOV_MAX parts a call
                 while done < want:  # a short write (full disk, signal): write the rest
-                    done += os.writev(fd, remaining(iovecs, done))
+                    done += os.writev(fd, remaining(iovecs, done)[:IOV_MAX])
                 if self.config.fsync:
                     os.fsync(fd)
             finally:

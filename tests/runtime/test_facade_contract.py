@@ -499,6 +499,11 @@ def test_closed_cache_refuses_work_and_drain_returns(tmp_path):
         "reserve": lambda: cache.reserve(live, 20),
         "finish": lambda: cache.cache_finished_req(live),
         "abort": lambda: cache.abort(live),
+        "attach_storage": lambda: cache.attach_storage(
+            StorageConfig(backend="file", backend_config={"root": str(tmp_path / "l3b")})
+        ),
+        "detach_storage": cache.detach_storage,
+        "clear_storage": cache.clear_storage,
     }
     for name, call in calls.items():
         with pytest.raises(ValueError, match="closed"):
@@ -547,3 +552,33 @@ def test_abort_prefetch_refuses_another_caches_prefetch(tmp_path):
     other.check_integrity()
     for c in (owner, other):
         c.close()
+
+
+def test_namespace_changed_after_match_is_refused():
+    """The cached prefix a request holds belongs to the namespace it was matched in: handing
+    it back under another namespace would give a second node the tree's own slots (a double
+    free at the next eviction), so it is refused and nothing changes."""
+    cache = make_cache(("full",))
+    prompt = list(range(1, 11))
+    serve_ns = cache.match(prompt, namespace="a")
+    cache.reserve(serve_ns, 12)
+    cache.start_loading()
+    step(cache, serve_ns, 12)
+    serve_ns.token_ids = prompt + [1, 2]
+    cache.cache_finished_req(serve_ns)
+    cache.poll()
+    live = cache.match(prompt + [11, 12], namespace="a")
+    assert live.cache_protected_len == 8
+    cache.reserve(live, 16)
+    cache.start_loading()
+    step(cache, live, 12)
+    before = books(cache)
+    live.namespace = "b"
+    with pytest.raises(ValueError, match="req.namespace: 'b'"):
+        cache.cache_finished_req(live)
+    assert books(cache) == before
+    live.namespace = "a"
+    cache.cache_finished_req(live)
+    cache.poll()
+    cache.evict(64)
+    cache.check_integrity()

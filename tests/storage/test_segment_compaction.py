@@ -408,3 +408,53 @@ def test_compaction_drops_a_record_that_would_end_past_its_segment(tmp_path: Pat
     assert not old.exists()
     assert served(b, first[:2]) == [False, True]
     b.close()
+
+
+def test_compaction_moves_past_a_segment_it_cannot_remove(tmp_path: Path, monkeypatch) -> None:
+    """A segment copied out whose file cannot be removed (EPERM) stays on disk and indexed; it
+    is not the compactor's candidate again (it would be the best one on every batch: a listing
+    and a failed unlink each time, and no other segment compacted)."""
+    from kvtier.storage.segments import space as space_module
+
+    root = tmp_path / "l3"
+    b = store(root, compact_below=0.6)
+    assert put(b, H[:8]) == [True] * 8 and put(b, H[8:16]) == [True] * 8
+    first = Path(b.locate(f"{H[0]}.kv.r0").path).stem  # type: ignore[union-attr]
+    second = Path(b.locate(f"{H[8]}.kv.r0").path)  # type: ignore[union-attr]
+    real, attempts = os.unlink, []
+
+    def unlink(name, *args, **kwargs):
+        if str(name) == f"{first}.kvs":
+            attempts.append(name)
+            raise PermissionError(1, "Operation not permitted", name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(space_module.os, "unlink", unlink)
+    assert b.delete([PoolTransfer("kv", H[2:8])]).all_ok
+    assert put(b, H[16:17]) == [True]  # the first segment copied out, its file stays
+    assert b.delete([PoolTransfer("kv", H[10:16])]).all_ok
+    for i in range(17, 25):
+        assert put(b, H[i : i + 1]) == [True]
+    assert len(attempts) == 1, f"{len(attempts)} tries to remove the stuck segment"
+    assert not second.exists(), "the second half-dead segment was never compacted"
+    assert served(b, [*H[:2], *H[8:10], *H[16:25]]) == [True] * 13
+    b.close()
+
+
+def test_read_of_an_unopenable_segment_keeps_the_listing_rate(tmp_path: Path) -> None:
+    """A segment that is in the root but cannot be opened (here a symlink in its place) is a
+    miss, and does not make every read list the root (only a segment gone from the root
+    does): listings stay at the rate ``list_interval_s`` sets."""
+    root = tmp_path / "l3"
+    w = store(root)
+    assert put(w, H[:8]) == [True] * 8
+    w.close()
+    r = store(root, list_interval_s=3600)
+    for seg in root.glob("*.kvs"):
+        os.rename(seg, f"{seg}.moved")
+        os.symlink(f"{seg.name}.moved", seg)
+    listings = r._index.listings
+    for _ in range(20):
+        assert served(r, H[:1]) == [False]
+    assert r._index.listings == listings
+    r.close()

@@ -70,12 +70,13 @@ def test_root_created_under_any_umask(tmp_path: Path, umask: int) -> None:
     assert out.stdout.split()[-1] == "0o700"
 
 
+@pytest.mark.parametrize("kind", ["file", "file_per_page"])
 @pytest.mark.parametrize("parts", [IOV_MAX - 1, IOV_MAX + 1, 3 * IOV_MAX + 5])
-def test_pages_of_more_parts_than_one_syscall_takes(tmp_path: Path, parts: int) -> None:
+def test_pages_of_more_parts_than_one_syscall_takes(tmp_path: Path, parts: int, kind: str) -> None:
     """A page is any number of parts: written and read back in calls of at most ``IOV_MAX``
     parts (beyond it one ``pwritev`` fails with EINVAL, and the page with it); a page written
-    in one part reads back into many and the reverse."""
-    b = store(tmp_path / "l3")
+    in one part reads back into many and the reverse. The segment store and the per-page one."""
+    b = store(tmp_path / "l3") if kind == "file" else create_backend(kind, root=tmp_path / "l3")
     n = parts * 4
     keys = H[:2]
     pages = [expected(h, n) for h in keys]
@@ -190,3 +191,26 @@ def test_eviction_keeps_fresh_pages_another_store_listed_early(tmp_path: Path, m
     assert not all(reader.get([PoolTransfer("kv", old, out)]).ok["kv"]), "nothing was evicted"
     for x in (b, reader):
         x.close()
+
+
+def test_new_root_swapped_for_a_symlink_is_not_followed(tmp_path: Path, monkeypatch) -> None:
+    """Someone who can write to the root's parent swaps the new root for a symlink between its
+    ``mkdir`` and its ``chmod``: the mode never lands on the link's target, and the store does
+    not open through the link."""
+    from kvtier.storage.segments import root as root_module
+
+    victim = tmp_path / "secret"
+    victim.write_text("key")
+    os.chmod(victim, 0o600)
+    real_mkdir = os.mkdir
+
+    def racing_mkdir(path, mode=0o777, *args, **kwargs):
+        real_mkdir(path, mode, *args, **kwargs)
+        if str(path).endswith("l3"):
+            os.rename(path, f"{path}.moved")
+            os.symlink(victim, path)
+
+    monkeypatch.setattr(root_module.os, "mkdir", racing_mkdir)
+    with pytest.raises(OSError):
+        root_module.open_root(tmp_path / "l3", 0o750, False)
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o600

@@ -508,9 +508,9 @@ def _count_listings(monkeypatch) -> list[int]:
     n = [0]
     rescan = Index._rescan_locked
 
-    def counted(self, started_ns):
+    def counted(self):
         n[0] += 1
-        return rescan(self, started_ns)
+        return rescan(self)
 
     monkeypatch.setattr(Index, "_rescan_locked", counted)
     return n
@@ -911,3 +911,31 @@ def test_collection_does_not_join_the_io_threads(root: Path, monkeypatch) -> Non
     again = create_backend("file", root=root)
     assert served(again, H[:2]) == [True, True]
     again.close()
+
+
+def test_a_listing_stretched_by_preemption_does_not_hold_the_next_back(
+    root: Path, monkeypatch
+) -> None:
+    """The rate limit scales with the CPU a listing took, not its wall time: a listing whose
+    thread lost the CPU for a while (a loaded machine; a sleep stands in for it) costs little,
+    and another store's new segments are still seen at once with ``list_interval_s=0``."""
+    from kvtier.storage.segments import index as index_module
+
+    real = index_module.os.listdir
+
+    def preempted(fd):
+        time.sleep(0.05)
+        return real(fd)
+
+    reader = create_backend("file", root=root, list_interval_s=0)
+    monkeypatch.setattr(index_module.os, "listdir", preempted)
+    with reader._index.mutex:
+        reader._index.forget_listing_locked()
+        reader._index.refresh_locked(tail=True)
+        assert reader._index._list_cost_ns < 20_000_000, reader._index._list_cost_ns
+    monkeypatch.setattr(index_module.os, "listdir", real)
+    w = create_backend("file", root=root)
+    assert put(w, H[:4]) == [True] * 4
+    assert served(reader, H[:4]) == [True] * 4  # listed at once: not 10 x 50 ms later
+    w.close()
+    reader.close()

@@ -143,11 +143,14 @@ class StorageSwitch:
         self._detach: StorageChange | None = None
         self._deadline_ms = 0
         self._control: Control | None = None  # one rank: the header ``apply`` acts on
+        self.closed = False  # the cache closed: no change is taken any more
 
     # -- requests (checked here, applied in ``apply``) -------------------------------------------
 
     def check_can_request(self, kind: ChangeKind) -> None:
         """Raise ``ValueError`` if ``kind`` cannot be requested now (nothing changes)."""
+        if self.closed:
+            raise ValueError("storage: the cache is closed (close() was called)")
         if self.pending is not None:
             raise ValueError(
                 f"storage: a {self.pending.kind.name.lower()} is already pending (waiting for "
@@ -336,7 +339,9 @@ class StorageSwitch:
         ch._finish(ch.outcome or ChangeOutcome.APPLIED)
 
     def close(self) -> None:
-        """Close the tier in use and one a pending attach built (the cache is closing)."""
+        """Close the tier in use and one a pending attach built (the cache is closing); later
+        changes are refused."""
+        self.closed = True
         if self.pending is not None and self.pending.tier is not None:
             self.pending.tier.close()
             self.pending.tier = None

@@ -45,12 +45,16 @@ class Compactor:
         # candidates), not O(segments in the root): a scan of 10,000 segments per put batch
         # cost about as much as writing the batch.
         self._candidates: set[Segment] = set()
+        # Segments copied out whose files could not be removed (EPERM, a read-only root):
+        # not candidates again, or each batch would copy nothing and fail the unlink anew.
+        self._stuck: set[str] = set()
 
     def _eligible(self, seg: Segment) -> bool:
         """Finished (not a journal still growing, not this process's active segment), not
         deleted, with records, and under the threshold."""
         return (
             not seg.gone
+            and seg.stem not in self._stuck
             and seg.jfd is None
             and seg.end > 0
             and seg not in self._index.active
@@ -105,7 +109,11 @@ class Compactor:
             copied, bad = self._copy(fd, live)
             with self._space.lock:
                 files = self._space.listing().get(seg.stem, {})
-                self._space.delete(seg.stem, files, held_fd=fd)
+                deleted = self._space.delete(seg.stem, files, held_fd=fd)
+            if not deleted:
+                with index.mutex:
+                    self._stuck.add(seg.stem)
+                    self._candidates.discard(seg)
             return copied, bad
         except (OSError, TimeoutError) as e:
             log.warning(

@@ -53,9 +53,9 @@ class SegmentBackendConfig:
         (the first, at start-up, is never held back). A listing costs O(files in the root)
         (20,000 files: ~13 ms on a 2-core VM) and this process's own segment rolls change the
         root, so without it a put stream with a large root would list it on every batch; and
-        listings are at least ten times their own time apart (a root of many files is listed at
+        listings are at least ten times their own CPU time apart (a root of many files is listed at
         most ~10% of the time). Another process's new segments, and the records and tombstones
-        in them, are seen within max(list_interval_s, 10 x the listing's time); its later records
+        in them, are seen within max(list_interval_s, 10 x the listing's CPU time); its later records
         in a segment already seen come through its journal at once. ``delete`` of a key this
         process has not seen lists at once.
     compact_below: a finished segment whose live records (those the index still serves from it)

@@ -145,7 +145,7 @@ class Index:
         self._list_every_ns = int(list_interval_s * 1e9)
         self._listed_at = 0  # time.monotonic_ns() of the last listing attempted
         self.listings = 0  # listings done
-        self._list_cost_ns = 0  # how long the last listing took
+        self._list_cost_ns = 0  # the CPU the last listing took
         # The last listing's names, and the stems of those that are segment (``kvs``) and
         # journal (``kvj``) files: a listing parses only the names that are new since.
         self._names: set[str] = set()
@@ -172,7 +172,7 @@ class Index:
                 # Attempts count for the rate limit (a root that cannot be listed, say with no
                 # descriptor left, is retried at that pace, not on every call).
                 self._listed_at = now
-                if self._rescan_locked(now):
+                if self._rescan_locked():
                     self._dir_mtime = mtime
                     self.listings += 1
                     looked = True
@@ -187,8 +187,9 @@ class Index:
         """List the root again on the next call."""
         self._dir_mtime = _FORCED
 
-    def _rescan_locked(self, started_ns: int) -> bool:
+    def _rescan_locked(self) -> bool:
         """List the root and catch up with what changed; False if it could not be listed."""
+        cpu = time.thread_time_ns()
         try:
             names = set(os.listdir(self._dirfd))
         except OSError as e:
@@ -203,9 +204,11 @@ class Index:
             if m is not None:
                 (data if m["ext"] == "kvs" else journals).add(name[:-4])
         self._names = names
-        # The listing's own cost (what the rate limit scales with): the journals read below are
-        # new records, paid once whatever the cadence.
-        self._list_cost_ns = time.monotonic_ns() - started_ns
+        # The listing's own cost (what the rate limit scales with): the CPU it took, not the
+        # wall time, which a preemption on a loaded machine stretched (one 16 ms listing then
+        # held every other process's new segments back for 160 ms); the journals read below
+        # are new records, paid once whatever the cadence.
+        self._list_cost_ns = time.thread_time_ns() - cpu
         active = {seg.stem for seg in self.active}
         gone = self.segments.keys() - data - active
         for stem in gone:
@@ -406,6 +409,18 @@ class Index:
             self._open.move_to_end(seg.stem)
             self._trim_locked()
         return seg.fd
+
+    def deleted_locked(self, seg: Segment) -> bool:
+        """Whether ``seg``'s file is gone from the root (known gone, or absent now)."""
+        if seg.gone:
+            return True
+        try:
+            os.stat(seg.stem + ".kvs", dir_fd=self._dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False
+        return False
 
     def unpin_locked(self, seg: Segment) -> None:
         seg.pins -= 1

@@ -115,12 +115,13 @@ class Reader:
             if plan is not None:
                 for seg in plan.used:
                     fds[seg] = index.pin_locked(seg)
-                if any(fd < 0 for fd in fds.values()):
-                    # A segment could not be opened: most likely another process deleted it
-                    # (compacted or evicted) since this process last listed the root, which the
-                    # listing's rate limit may hold back for up to ``list_interval_s``. Live
-                    # records are copied, and journaled, before a compactor deletes: list and
-                    # tail now and plan again, once, instead of missing pages still stored.
+                if any(fd < 0 and index.deleted_locked(seg) for seg, fd in fds.items()):
+                    # A segment is no longer in the root: another process deleted it (compacted
+                    # or evicted) since this process last listed the root, which the listing's
+                    # rate limit may hold back for up to ``list_interval_s``. Live records are
+                    # copied, and journaled, before a compactor deletes: list and tail now and
+                    # plan again, once, instead of missing pages still stored. (A segment that
+                    # is there but cannot be opened, no descriptor left say, is a miss.)
                     for seg, fd in fds.items():
                         if fd >= 0:
                             index.unpin_locked(seg)

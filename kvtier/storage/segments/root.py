@@ -23,6 +23,20 @@ log = logging.getLogger(__name__)
 _SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+def _chmod_dir(path: Path, mode: int) -> None:
+    """``chmod`` the directory ``path`` names, never a symlink's target (Linux: an ``O_PATH``
+    descriptor, changed through ``/proc/self/fd``; elsewhere, by path)."""
+    o_path = getattr(os, "O_PATH", 0)
+    if not o_path or not os.path.isdir("/proc/self/fd"):
+        os.chmod(path, mode)
+        return
+    fd = os.open(path, o_path | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+    finally:
+        os.close(fd)
+
+
 def open_root(root: Path, dir_mode: int, allow_unsafe_root: bool) -> int:
     """Create ``root`` (mode ``dir_mode`` exactly) or check the existing one; its descriptor.
 
@@ -35,11 +49,15 @@ def open_root(root: Path, dir_mode: int, allow_unsafe_root: bool) -> int:
         created = True
     except FileExistsError:
         created = False
+    nofollow = 0
     if created:
-        # By path, before the open: under a umask such as 0o400 or 0o777 the new directory
-        # lacks the owner's read or search bit that opening it needs.
-        os.chmod(root, dir_mode)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # The mode before the open: under a umask such as 0o400 or 0o777 the new directory
+        # lacks the owner's read or search bit that opening it needs. Through an O_PATH
+        # descriptor of the directory itself, not the path, so that a symlink swapped in
+        # after the mkdir (a parent others can write to) does not pass the chmod on.
+        nofollow = os.O_NOFOLLOW
+        _chmod_dir(root, dir_mode)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
     try:
         if created:
             os.fchmod(fd, dir_mode)  # the directory opened is the one that has the mode
