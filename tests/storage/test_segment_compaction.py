@@ -458,3 +458,25 @@ def test_read_of_an_unopenable_segment_keeps_the_listing_rate(tmp_path: Path) ->
         assert served(r, H[:1]) == [False]
     assert r._index.listings == listings
     r.close()
+
+
+def test_a_delete_outlives_the_compaction_of_its_tombstones_segment(tmp_path: Path) -> None:
+    """A key deleted while its record sits in one segment and its tombstone lands in another:
+    compacting the tombstone's segment carries the tombstone on, so a restart does not serve
+    the deleted key again from the older segment; a key stored again after its delete stays."""
+    root = tmp_path / "l3"
+    b = store(root, compact_below=0.6)
+    assert put(b, H[:8]) == [True] * 8  # the first segment: H[0]'s record stays in it
+    assert put(b, H[8:12]) == [True] * 4
+    assert b.delete([PoolTransfer("kv", [H[0], H[1]])]).all_ok  # tombstones in the second
+    assert put(b, [H[1]]) == [True]  # stored again after its delete: newer than its tombstone
+    assert put(b, H[12:15]) == [True] * 3  # the second segment full: finished
+    tombstones = Path(b.locate(f"{H[8]}.kv.r0").path)  # type: ignore[union-attr]
+    assert b.delete([PoolTransfer("kv", H[8:14])]).all_ok
+    assert put(b, H[16:17]) == [True]  # compacts the second segment away
+    assert not tombstones.exists(), "the test needs the tombstones' segment compacted"
+    b.close()
+    again = store(root)
+    assert served(again, [H[0]]) == [False], "a deleted key came back after a restart"
+    assert served(again, [H[1], *H[2:8], H[14], H[16]]) == [True] * 9
+    again.close()

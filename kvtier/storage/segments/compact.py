@@ -107,6 +107,7 @@ class Compactor:
                     if loc is not None and loc.seg is seg
                 ]
             copied, bad = self._copy(fd, live)
+            self._carry_tombstones(seg)
             with self._space.lock:
                 files = self._space.listing().get(seg.stem, {})
                 deleted = self._space.delete(seg.stem, files, held_fd=fd)
@@ -122,6 +123,24 @@ class Compactor:
             return 0, 0
         finally:
             os.close(fd)
+
+    def _carry_tombstones(self, seg: Segment) -> None:
+        """Journal again, in this process's active segment, the tombstones in force that
+        ``seg``'s journal holds, before ``seg`` goes: a delete must outlive the segment it was
+        journaled in, or an older record of its key in another segment is served again after a
+        restart. Each keeps its time plus 1 ns, as record copies do: it still loses to a record
+        written after the delete and wins over its original. Raises ``OSError`` (``seg`` then
+        stays) when they cannot all be journaled."""
+        with self._index.mutex:
+            carried = [
+                (k, when[0] + 1) for k, when in self._index.tombs.items() if when[1] == seg.stem
+            ]
+        if not carried:
+            return
+        keys, times = [k for k, _ in carried], [t for _, t in carried]
+        done = self._writer.tombstone(keys, times)
+        if not all(done):
+            raise OSError(f"{done.count(False)} of {len(keys)} tombstones not carried")
 
     def _copy(self, fd: int, live: list[tuple[str, Loc]]) -> tuple[int, int]:
         """Read, verify and append the records ``live``; (copied, failed verification). Raises

@@ -27,11 +27,13 @@ so a reboot needs no rule of its own.
 
 Delete: a tombstone entry in the deleting process's journal (no record) kills the key's
 records journaled before it, in every process once it reads that journal, and across restarts;
-their space is reclaimed by compaction and eviction like any dead record's. A tombstone lasts as
-long as its segment: one evicted or compacted away before an older record of its key lets that
-record be served again after a restart (a key names its bytes, so they are still the right ones),
-and a process that stores the key again afterwards serves the new record; a process that had not
-read the tombstone's journal before its segment went never applies the delete at all.
+their space is reclaimed by compaction and eviction like any dead record's. Compaction carries a
+segment's tombstones in force on into its own journal before the segment goes; eviction does not:
+a tombstone evicted before an older record of its key lets that record be served again after a
+restart (a key names its bytes, so they are still the right ones; eviction takes the least
+recently used segments, the older record's first as a rule), and a process that stores the key
+again afterwards serves the new record; a process that had not read the tombstone's journal
+before its segment went never applies the delete at all.
 
 Restart: the index is rebuilt by reading every journal (``bench_storage`` reports the seconds
 per million pages); LRU order is the segments' mtimes, kept on disk.

@@ -301,10 +301,11 @@ class Lane:
         ok[j:stored] = [True] * n
         return k
 
-    def tombstone(self, keys: list[str]) -> list[bool]:
+    def tombstone(self, keys: list[str], times: Sequence[int] | None = None) -> list[bool]:
         """Journal a tombstone for each key in the active segment (moving on to new segments as
         journals fill), so that every process's index drops the key's older records; per key
-        whether its tombstone is journaled (and indexed here)."""
+        whether its tombstone is journaled (and indexed here). ``times``: each tombstone's time
+        (compaction carries a tombstone on with its own time); default now."""
         ok = [False] * len(keys)
         j, now = 0, time.time_ns()
         while j < len(keys):
@@ -316,7 +317,8 @@ class Lane:
             entries: list[Entry] = []
             jbytes, k = 0, j
             while k < len(keys) and act.jend + jbytes + ENTRY_SIZE + len(keys[k]) <= act.jcap:
-                entries.append(Entry(keys[k], 0, 0, act.seq + k - j, now, deleted=True))
+                when = now if times is None else times[k]
+                entries.append(Entry(keys[k], 0, 0, act.seq + k - j, when, deleted=True))
                 jbytes += ENTRY_SIZE + len(keys[k])
                 k += 1
             journal = b"".join(map(encode_entry, entries))
@@ -511,9 +513,9 @@ class Writer:
                 ok[i] = good
         return ok
 
-    def tombstone(self, keys: list[str]) -> list[bool]:
+    def tombstone(self, keys: list[str], times: Sequence[int] | None = None) -> list[bool]:
         """``Lane.tombstone`` in the first lane."""
-        return self._lanes[0].tombstone(keys)
+        return self._lanes[0].tombstone(keys, times)
 
     def close(self, delete: bool = False) -> None:
         """Finish every lane's active segment (deleting them with ``delete``)."""
