@@ -413,7 +413,9 @@ class CacheConfig:
             for name in ("kv_heads", "head_dim"):
                 if getattr(self, name) < 1:
                     raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        if not (self.dtype.is_floating_point or self.dtype.itemsize == 1):
+        if self.dtype is torch.bool or not (
+            self.dtype.is_floating_point or self.dtype.itemsize == 1
+        ):
             raise ValueError(f"dtype: KV must be a float or 8-bit type, got {self.dtype}")
         if self.swa_tokens is not None and (self.swa_tokens <= 0 or self.swa_tokens % P):
             raise ValueError(

@@ -86,6 +86,7 @@ CACHE_CASES = [
     ("dtype-str", {"dtype": "bfloat16"}, TypeError, "dtype: .*'bfloat16'.*torch.bfloat16"),
     ("dtype-int", {"dtype": 16}, TypeError, "dtype: .*16"),
     ("dtype-int32", {"dtype": torch.int32}, ValueError, "dtype: .*int32"),
+    ("dtype-bool", {"dtype": torch.bool}, ValueError, "dtype: .*bool"),
     ("indexer-str", {"indexer": "yes"}, TypeError, "indexer: .*'yes'"),
     ("write_policy-none", {"write_policy": None}, TypeError, "write_policy: .*None"),
     ("host_layout-int", {"host_layout": 1}, TypeError, "host_layout: .*1"),
