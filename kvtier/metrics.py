@@ -29,6 +29,14 @@ __all__ = [
 ]
 
 
+def _sample(value: float) -> str:
+    """A sample value exactly: an int as itself, a float as the shortest text that reads back
+    the same (``:g`` kept 6 digits: a byte counter past a million stopped moving)."""
+    if isinstance(value, int):
+        return str(int(value))
+    return repr(float(value))
+
+
 class Tier(str, Enum):
     DEVICE = "device"
     HOST = "host"
@@ -168,7 +176,7 @@ class TierMetrics:
         def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
             lines.append(f"# HELP {_PREFIX}_{name} {help_}")
             lines.append(f"# TYPE {_PREFIX}_{name} {kind}")
-            lines.extend(f"{_PREFIX}_{name}{labels} {value:g}" for labels, value in samples)
+            lines.extend(f"{_PREFIX}_{name}{labels} {_sample(value)}" for labels, value in samples)
 
         tiers = [t.value for t in Tier]
         pairs = [(t, d.value) for t in tiers for d in Direction]

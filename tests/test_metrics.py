@@ -43,6 +43,25 @@ def test_prometheus_exposition() -> None:
     assert names == {"complete", "partial", "revoked", "timed_out", "aborted", "checksum_miss"}
 
 
+def test_prometheus_counters_are_exact() -> None:
+    """Large counters keep every digit (a 6-digit ``:g`` froze a byte counter past a million:
+    ``rate()`` read zero), and a float time reads back as the same float."""
+    m = TierMetrics()
+    m.add_hit_tokens(Tier.DEVICE, 1234567)
+    m.add_transfer(Tier.HOST, Direction.WRITE, 123456789, 0.1234567891)
+    m.add_hit_tokens(Tier.DEVICE, 4)
+    text = m.prometheus()
+    assert 'kvtier_hit_tokens_total{tier="device"} 1234571\n' in text
+    assert 'kvtier_transfer_bytes_total{tier="host",direction="write"} 123456789\n' in text
+    seconds = m.snapshot()["seconds.host.write"]
+    value = [
+        float(x.rsplit(" ", 1)[1])
+        for x in text.splitlines()
+        if x.startswith('kvtier_transfer_seconds_total{tier="host",direction="write"}')
+    ]
+    assert value == [seconds]
+
+
 def test_thread_safe_increments() -> None:
     m = TierMetrics()
 

@@ -38,6 +38,12 @@ def check_endpoint(value: object, name: str, optional: bool = False) -> None:
             f"{name}: {value!r} is not a ZeroMQ endpoint (tcp://host:port, ipc://path or "
             "inproc://name)"
         )
+    if value.startswith("tcp://"):
+        port = value.rsplit(":", 1)[-1] if value.count(":") >= 2 else ""
+        # libzmq takes the port modulo 65536 (99999 binds 34463): a router given the
+        # configured port would never connect.
+        if port != "*" and not (port.isdigit() and int(port) <= 65535):
+            raise ValueError(f"{name}: {value!r} needs a port in [0, 65535] or '*'")
 
 
 @dataclass(frozen=True)

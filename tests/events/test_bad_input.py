@@ -31,6 +31,9 @@ from tests.runtime.synthetic import run_turn
     [
         ({"endpoint": "127.0.0.1:5557"}, ValueError, "endpoint"),
         ({"endpoint": 5557}, TypeError, "endpoint"),
+        ({"endpoint": "tcp://127.0.0.1:99999"}, ValueError, r"endpoint: .*port in \[0, 65535\]"),
+        ({"snapshot_endpoint": "tcp://127.0.0.1:x"}, ValueError, "snapshot_endpoint"),
+        ({"endpoint": "tcp://127.0.0.1"}, ValueError, "endpoint"),
         ({"snapshot_endpoint": "http://x"}, ValueError, "snapshot_endpoint"),
         ({"heartbeat_s": 0}, ValueError, "heartbeat_s"),
         ({"heartbeat_s": float("nan")}, ValueError, "heartbeat_s"),
