@@ -133,7 +133,8 @@ class TierMetrics:
             self._backup_failures += pages
 
     def add_retried_pages(self, pages: int) -> None:
-        """Pages a backend sends again after an attempt failed because the store was unreachable."""
+        """Pages sent again after an attempt failed: by a backend (the store unreachable) or by
+        the L3 backup's bounded retries."""
         self._check(pages)
         with self._lock:
             self._retried_pages += pages

@@ -294,7 +294,7 @@ class StorageBackend(ABC):
         """Usable prefix length in pages: the minimum over pools under their hit policies.
 
         Every transfer lists the same number of page hashes (the candidate prefix). A store error
-        or a malformed key counts as absence.
+        or a malformed key counts as absence (a store error also in ``failed_pages.read``).
         """
         self._check_pools(transfers)
         if not transfers:
@@ -310,6 +310,8 @@ class StorageBackend(ABC):
             found = iter(self._contains(flat) if flat else [])
         except Exception:
             log.exception("%s: exists failed for %d objects", self.name, len(flat))
+            # Counted, so that a store that cannot answer does not pass for a cold cache.
+            self.metrics.add_failed_pages(Direction.READ, len(flat))
             return 0
         present = [[k is not None and bool(next(found)) for k in keys] for keys in names]
         return usable_prefix(present, [t.policy for t in transfers])

@@ -232,3 +232,18 @@ def test_pages_in_parts_are_one_object(backend: StorageBackend, make_pages) -> N
     assert backend.get([PoolTransfer("kv", h[:1], [odd])]).ok["kv"] == [False], "short by 1 KiB"
     with pytest.raises(ValueError, match="no parts"):
         backend.get([PoolTransfer("kv", h[:1], [[]])])
+
+
+def test_a_failed_existence_check_is_counted(backend: StorageBackend, monkeypatch) -> None:
+    """A store that cannot answer ``exists`` counts as absent (a miss, not an error to the
+    caller) and its pages are counted in ``failed_pages.read``: an outage does not pass for a
+    cold cache in the metrics."""
+
+    def broken(object_keys):
+        raise OSError("the store is unreachable")
+
+    monkeypatch.setattr(backend, "_contains", broken)
+    keys = hashes(3)
+    before = backend.metrics.snapshot()["failed_pages.read"]
+    assert backend.exists([PoolTransfer("kv", keys)]) == 0
+    assert backend.metrics.snapshot()["failed_pages.read"] == before + 3

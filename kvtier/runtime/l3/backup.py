@@ -141,7 +141,9 @@ class BackupWriter:
     def _write_batch(self, pool: L3Pool, hashes: list[str], pages: torch.Tensor) -> list[bool]:
         ok = [False] * len(hashes)
         todo = list(range(len(hashes)))
-        for _ in range(1 + self.retries):
+        for attempt in range(1 + self.retries):
+            if attempt:
+                self.metrics.add_retried_pages(len(todo))
             idx = torch.tensor(todo, dtype=torch.int64)
             views = pool.write_views(pages[idx])
             keys = [hashes[i] for i in todo]

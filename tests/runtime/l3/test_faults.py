@@ -156,6 +156,8 @@ def test_failed_backups_are_counted_not_acked(tmp_path):
     produce(cache, conversations(9, n=2))
     m = cache.metrics()
     assert m["tier.backup_failures"] > 0 and m["l3.backup_pages"] == 0
+    # The retry (backup_retries=1) of each job's failed first batch is counted.
+    assert 0 < m["tier.retried_pages"] <= m["tier.backup_failures"]
     assert backend.object_keys() == [], "nothing reached L3"
     backend.mode = "ok"
     cache.tree.evict_host(full=10**6)  # pins from the failed jobs are gone
