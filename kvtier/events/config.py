@@ -58,7 +58,8 @@ class EventsConfig:
         topic: the first frame of every published message (vLLM's ``topic``).
         instance_id: names the instance in its batches and snapshots; ``""``: host name and pid.
         heartbeat_s: an empty batch (carrying the instance's bandwidths) goes out after this
-            long without events, so a subscriber notices a lost last batch and sees fresh rates.
+            long without events, so a subscriber notices a lost last batch and sees fresh rates
+            (sent from ``poll``: an engine that stops polling sends none).
         snapshot_peers: subscriber names allowed to ask for a snapshot; None: any.
         prefill_tokens_per_s: the model's prefill rate, reported to routers so that they can
             weigh loading a prefix against recomputing it; None: the storage config's, if any.
@@ -104,7 +105,11 @@ class EventsConfig:
 
 
 def _positive(obj: object, name: str) -> None:
-    v = getattr(obj, name)
+    check_positive(getattr(obj, name), name)
+
+
+def check_positive(v: object, name: str) -> None:
+    """A positive, finite number of ``name``; raises naming it."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name}: expected a number, got {v!r}")
     if not math.isfinite(v) or v <= 0:

@@ -25,7 +25,14 @@ import msgspec
 import zmq
 
 from kvtier.events import wire
-from kvtier.events.config import MEDIA, MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_STORAGE, check_endpoint
+from kvtier.events.config import (
+    MEDIA,
+    MEDIUM_DEVICE,
+    MEDIUM_HOST,
+    MEDIUM_STORAGE,
+    check_endpoint,
+    check_positive,
+)
 from kvtier.events.keys import KeySeed, prompt_hashes
 from kvtier.storage.keys import canonical_namespace
 
@@ -107,6 +114,8 @@ class Indexer:
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name: expected a non-empty str, got {name!r}")
+        if prefill_tokens_per_s is not None:
+            check_positive(prefill_tokens_per_s, "prefill_tokens_per_s")
         self.name = name
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.ctx = zmq.Context()
@@ -351,6 +360,8 @@ class Indexer:
     ) -> PrefixEstimate:
         """How much of ``tokens`` ``instance_id`` holds per medium, and load vs recompute time
         of the part not on the device (see ``PrefixEstimate``)."""
+        if prefill_tokens_per_s is not None:
+            check_positive(prefill_tokens_per_s, "prefill_tokens_per_s")
         hashes = self.hashes(instance_id, tokens, namespace)
         inst = self._instances[instance_id]
         info = inst.info

@@ -251,3 +251,17 @@ def test_a_failing_send_is_counted_and_recovered():
     finally:
         cache.close()
         ix.close()
+
+
+@pytest.mark.parametrize("rate", [-5, 0, "fast", float("nan"), float("inf"), True])
+def test_indexer_refuses_a_bad_prefill_rate(rate):
+    """``Indexer`` and its ``estimate`` take a prefill rate as ``EventsConfig`` does: positive
+    and finite, refused by name otherwise (a negative rate made every load look free)."""
+    with pytest.raises((TypeError, ValueError), match="prefill_tokens_per_s"):
+        Indexer(prefill_tokens_per_s=rate)
+    ix = Indexer()
+    try:
+        with pytest.raises((TypeError, ValueError), match="prefill_tokens_per_s"):
+            ix.estimate("any", [1, 2, 3], prefill_tokens_per_s=rate)
+    finally:
+        ix.close()
