@@ -42,7 +42,7 @@ def check_endpoint(value: object, name: str, optional: bool = False) -> None:
         port = value.rsplit(":", 1)[-1] if value.count(":") >= 2 else ""
         # libzmq takes the port modulo 65536 (99999 binds 34463): a router given the
         # configured port would never connect.
-        if port != "*" and not (port.isdigit() and int(port) <= 65535):
+        if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
             raise ValueError(f"{name}: {value!r} needs a port in [0, 65535] or '*'")
 
 

@@ -33,6 +33,7 @@ from tests.runtime.synthetic import run_turn
         ({"endpoint": 5557}, TypeError, "endpoint"),
         ({"endpoint": "tcp://127.0.0.1:99999"}, ValueError, r"endpoint: .*port in \[0, 65535\]"),
         ({"snapshot_endpoint": "tcp://127.0.0.1:x"}, ValueError, "snapshot_endpoint"),
+        ({"endpoint": "tcp://127.0.0.1:\u0665\u0665\u0665\u0665"}, ValueError, "endpoint"),
         ({"endpoint": "tcp://127.0.0.1"}, ValueError, "endpoint"),
         ({"snapshot_endpoint": "http://x"}, ValueError, "snapshot_endpoint"),
         ({"heartbeat_s": 0}, ValueError, "heartbeat_s"),

@@ -131,10 +131,17 @@ class Compactor:
         restart. Each keeps its time plus 1 ns, as record copies do: it still loses to a record
         written after the delete and wins over its original. Raises ``OSError`` (``seg`` then
         stays) when they cannot all be journaled."""
-        with self._index.mutex:
-            carried = [
-                (k, when[0] + 1) for k, when in self._index.tombs.items() if when[1] == seg.stem
-            ]
+        index = self._index
+        with index.mutex:
+            tombs, entries, carried = index.tombs, index.entries, []
+            for k in dict.fromkeys(seg.keys):  # the segment's own keys, not every tombstone
+                when = tombs.get(k)
+                if when is None or when[1] != seg.stem:
+                    continue
+                loc = entries.get(k)
+                if loc is not None and (loc.time_ns, loc.seg.stem, loc.seq) > when:
+                    continue  # stored again since: the newer record wins without it
+                carried.append((k, when[0] + 1))
         if not carried:
             return
         keys, times = [k for k, _ in carried], [t for _, t in carried]
