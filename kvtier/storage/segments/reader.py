@@ -111,28 +111,22 @@ class Reader:
             if index.refresh_locked(tail=None in locs):
                 locs = list(map(get, keys))
             plan = _plan(locs, lengths)
-            fds: dict[Segment, int] = {}
-            if plan is not None:
-                for seg in plan.used:
-                    fds[seg] = index.pin_locked(seg)
-                if any(fd < 0 and index.deleted_locked(seg) for seg, fd in fds.items()):
-                    # A segment is no longer in the root: another process deleted it (compacted
-                    # or evicted) since this process last listed the root, which the listing's
-                    # rate limit may hold back for up to ``list_interval_s``. Live records are
-                    # copied, and journaled, before a compactor deletes: list and tail now and
-                    # plan again, once, instead of missing pages still stored. (A segment that
-                    # is there but cannot be opened, no descriptor left say, is a miss.)
-                    for seg, fd in fds.items():
-                        if fd >= 0:
-                            index.unpin_locked(seg)
-                    index.forget_listing_locked()
-                    index.refresh_locked(tail=True)
-                    locs = list(map(get, keys))
-                    plan = _plan(locs, lengths)
-                    fds = {}
-                    if plan is not None:
-                        for seg in plan.used:
-                            fds[seg] = index.pin_locked(seg)
+            fds = {seg: index.pin_locked(seg) for seg in plan.used} if plan is not None else {}
+            if any(fd < 0 and index.deleted_locked(seg) for seg, fd in fds.items()):
+                # A segment is no longer in the root: another process deleted it (compacted
+                # or evicted) since this process last listed the root, which the listing's
+                # rate limit may hold back for up to ``list_interval_s``. Live records are
+                # copied, and journaled, before a compactor deletes: list and tail now and
+                # plan again, once, instead of missing pages still stored. (A segment that
+                # is there but cannot be opened, no descriptor left say, is a miss.)
+                for seg, fd in fds.items():
+                    if fd >= 0:
+                        index.unpin_locked(seg)
+                index.forget_listing_locked()
+                index.refresh_locked(tail=True)
+                locs = list(map(get, keys))
+                plan = _plan(locs, lengths)
+                fds = {seg: index.pin_locked(seg) for seg in plan.used} if plan is not None else {}
         out = [False] * len(keys)
         bad: list[int] = []
         try:

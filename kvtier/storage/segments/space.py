@@ -93,8 +93,7 @@ class Space:
                 stem: seg.live
                 for stem, seg in self._index.segments.items()
                 if seg.writer in own
-                or "kvj" in files.get(stem, {})
-                and seg.jpos >= files[stem]["kvj"].st_size
+                or ("kvj" in files.get(stem, {}) and seg.jpos >= files[stem]["kvj"].st_size)
             }
             # A segment whose journal holds a tombstone in force is not dead: dropping it early
             # would bring the deleted records back (after a restart, or in a process that had
