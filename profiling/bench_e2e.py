@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -85,6 +86,14 @@ class LlamaShaped:
         inside its compute time)."""
         t_cpu = time.perf_counter()
         marks = []
+        detail: list = []  # (label, CPU s after t_cpu, event) at points of layers 0 and 1
+
+        def point(label: str, layer: int = 0) -> None:
+            if trace is not None and layer < 2:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                detail.append((f"{label}{layer}", time.perf_counter() - t_cpu, ev))
+
         if trace is not None:
             begin = torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -96,6 +105,7 @@ class LlamaShaped:
         if start:
             q_pos = torch.arange(start, end, device=x.device)[:, None]
             mask = torch.arange(end, device=x.device)[None, :] <= q_pos
+        point("embed/")
         for layer in range(self.layers):
             if wait and wait_at == "layer":
                 cache.wait_layer(layer)
@@ -105,11 +115,14 @@ class LlamaShaped:
             h = F.rms_norm(x, (HIDDEN,))
             qkv = h @ self.wqkv[layer]
             q, k, v = qkv.split([QH * HD, KVH * HD, KVH * HD], dim=-1)
+            point("qkv", layer)
             kp, vp = cache.full_pool.k(layer), cache.full_pool.v(layer)
             kp[new_slots] = k.view(n, KVH, HD)
             vp[new_slots] = v.view(n, KVH, HD)
+            point("kv", layer)
             if wait and wait_at == "attention":
                 cache.wait_layer(layer)
+            point("wait", layer)
             if trace is not None:
                 marks[-1][1].record()
             K = kp[all_slots].transpose(0, 1)[None]
@@ -118,15 +131,17 @@ class LlamaShaped:
             o = F.scaled_dot_product_attention(
                 Q, K, V, attn_mask=mask, is_causal=mask is None, enable_gqa=True
             )
+            point("attn", layer)
             x = x + o[0].transpose(0, 1).reshape(n, QH * HD) @ self.wo[layer]
             h = F.rms_norm(x, (HIDDEN,))
             a, b = (h @ self.w13[layer]).chunk(2, dim=-1)
             x = x + (F.silu(a) * b) @ self.w2[layer]
+            point("mlp", layer)
             if trace is not None:
                 marks[-1][2].record()
         out = F.rms_norm(x[-1:], (HIDDEN,)) @ self.lm_head
         if trace is not None:
-            trace.append((begin, marks, time.perf_counter() - t_cpu))
+            trace.append((begin, marks, time.perf_counter() - t_cpu, detail))
         return out
 
 
@@ -141,7 +156,7 @@ def layer_trace(cache, run, prepare) -> None:
         req = run("overlap", trace)
         sync()
         wall = time.perf_counter() - t0
-        (match_ms, reserve_ms, load_ms), load, (begin, marks, cpu_s) = trace
+        (match_ms, reserve_ms, load_ms), load, (begin, marks, cpu_s, detail) = trace
         waits, comps, prev = [], [], begin
         for a, _, b in marks:
             waits.append(prev.elapsed_time(a))
@@ -152,6 +167,11 @@ def layer_trace(cache, run, prepare) -> None:
             f"{cpu_s * 1e3:6.2f} ms, GPU waits before layers {sum(waits):6.2f} ms "
             f"(layer 0: {waits[0]:.2f}, max {max(waits):.2f}), layer compute {sum(comps):6.2f} ms "
             f"(median {median(comps):.3f}, max {max(comps):.3f})",
+            flush=True,
+        )
+        print(
+            "  layers 0-1, ms after the forward's begin, CPU launched / GPU reached: "
+            + ", ".join(f"{lb} {c * 1e3:.2f}/{begin.elapsed_time(ev):.2f}" for lb, c, ev in detail),
             flush=True,
         )
         print(f"  waits per layer ms: {' '.join(f'{w:.2f}' for w in waits)}", flush=True)
@@ -207,6 +227,93 @@ def profile_start(cache, tokens: list[int], n: int, prepare) -> None:
             print(f"  {st[key] * 1e6:8.0f} {st[1]:6d}  {where}", flush=True)
 
 
+def time_start(cache, tokens: list[int], n: int, prepare, reps: int = 5) -> None:
+    """Inclusive wall time of the functions a host hit runs on the CPU before the forward
+    (match, reserve, start_loading and what they call), by perf_counter wrappers (~1 us each,
+    unlike cProfile's per-call cost): medians over ``reps`` runs, in us, with call counts."""
+    import kvtier.kernels.copier as copier_mod
+    import kvtier.runtime.cache as cache_mod
+    import kvtier.runtime.controller as ctl_mod
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
+
+    targets = [
+        (cache_mod, "token_list"),
+        (UnifiedRadixTree, "match_prefix"),
+        (UnifiedRadixTree, "load_back"),
+        (UnifiedRadixTree, "path_slots"),
+        (UnifiedRadixTree, "pin"),
+        (ctl_mod.CacheController, "load_back"),
+        (ctl_mod.CacheController, "_after_compute"),
+        (ctl_mod.CacheController, "_event"),
+        (ctl_mod, "_cat"),
+        (copier_mod.HostCopier, "plan_lead"),
+        (copier_mod.HostCopier, "plan"),
+        (copier_mod.HostCopier, "_plan_kernel"),
+        (copier_mod.HostCopier, "_pair"),
+        (copier_mod.HostCopier, "route"),
+        (copier_mod, "layer_descriptors"),
+        (copier_mod, "copy_host_to_device"),
+        (copier_mod.IssueWorker, "submit"),
+        (torch.cuda, "current_stream"),
+        (torch.cuda, "stream"),
+        (torch.Tensor, "to"),
+    ]
+    acc: dict[str, list[float]] = {}
+    main_thread = threading.get_ident()
+
+    def wrap(owner, name):
+        fn = getattr(owner, name)
+        key = f"{getattr(owner, '__name__', owner)}.{name}"
+
+        def timed(*a, **k):
+            if threading.get_ident() != main_thread:
+                return fn(*a, **k)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                cur = acc.setdefault(key, [0.0, 0])
+                cur[0] += time.perf_counter() - t
+                cur[1] += 1
+
+        setattr(owner, name, timed)
+        return owner, name, fn
+
+    rows: dict[str, list[tuple[float, int]]] = {}
+    for rep in range(reps + 1):
+        prepare("overlap")
+        sync()
+        saved = [wrap(o, nm) for o, nm in targets]
+        acc.clear()
+        try:
+            t0 = time.perf_counter()
+            req = cache.match(tokens)
+            t1 = time.perf_counter()
+            cache.reserve(req, n)
+            t2 = time.perf_counter()
+            cache.start_loading()
+            t3 = time.perf_counter()
+        finally:
+            for o, nm, fn in saved:
+                setattr(o, nm, fn)
+        acc["= match"] = [t1 - t0, 1]
+        acc["= reserve"] = [t2 - t1, 1]
+        acc["= start_loading"] = [t3 - t2, 1]
+        for layer in range(len(cache.config.layer_kinds)):
+            cache.wait_layer(layer, [req])
+        sync()
+        cache.computed(req, req.cached_len)
+        req.token_ids = req.token_ids[: req.computed_len]
+        cache.cache_finished_req(req)
+        cache.drain()
+        if rep:
+            for k, (s, c) in acc.items():
+                rows.setdefault(k, []).append((s, c))
+    print("time-start: inclusive us on the main thread (median of runs), calls a run", flush=True)
+    for k, v in sorted(rows.items(), key=lambda kv: -median([s for s, _ in kv[1]])):
+        print(f"  {median([s for s, _ in v]) * 1e6:8.1f} {v[0][1]:5d}  {k}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -247,6 +354,11 @@ def main() -> None:
         choices=("attention", "layer"),
         help="where each layer calls wait_layer: before reading its cached K/V, as engines do "
         "(default), or before its first kernel",
+    )
+    ap.add_argument(
+        "--time-start",
+        action="store_true",
+        help="also print wrapped-function wall times over a host hit's match + start_loading",
     )
     ap.add_argument(
         "--profile-start",
@@ -372,6 +484,8 @@ def main() -> None:
 
     if args.layer_trace and dev.type == "cuda":
         layer_trace(cache, run, prepare)
+    if args.time_start:
+        time_start(cache, prompt.tolist(), args.prompt, prepare)
     if args.profile_start:
         profile_start(cache, prompt.tolist(), args.prompt, prepare)
 

@@ -199,6 +199,37 @@ class _Op:
         return self.ticket is None or self.ticket.done()
 
 
+class _OnStream:
+    """``torch.cuda.stream(stream)`` without its device lookups: that context manager and
+    ``current_stream(None)`` ask for the current device through ``torch.cuda.is_available`` (an
+    environment read) each time, ~30 us of CPU per use on an H100 host, several per load before
+    the forward pass. Where the thread's current device is not the stream's (a worker thread
+    starts on device 0), it is ``torch.cuda.stream`` itself: ``set_stream`` would switch the
+    device."""
+
+    __slots__ = ("_stream", "_prev", "_ctx")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+        self._prev: torch.cuda.Stream | None = None
+        self._ctx: AbstractContextManager | None = None
+
+    def __enter__(self) -> None:
+        index = self._stream.device_index
+        if torch.cuda.current_device() != index:
+            self._ctx = torch.cuda.stream(self._stream)
+            self._ctx.__enter__()
+            return
+        self._prev = torch.cuda.current_stream(index)
+        torch.cuda.set_stream(self._stream)
+
+    def __exit__(self, *exc) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+        else:
+            torch.cuda.set_stream(self._prev)
+
+
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat`` of index tensors; one is returned as is (a batch of one request: ~15 us of
     the CPU before the forward saved per call on an H100 host)."""
@@ -273,14 +304,14 @@ class CacheController:
         if not self.cuda:
             return nullcontext()
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(stream)
+        return _OnStream(stream)
 
     def _event(self) -> torch.cuda.Event | None:
         return torch.cuda.Event(enable_timing=True) if self.cuda else None
 
     def _on(self, stream: torch.cuda.Stream | None) -> AbstractContextManager:
         """Issue on ``stream`` from whichever thread runs this (no-op on CPU)."""
-        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+        return _OnStream(stream) if stream is not None else nullcontext()
 
     def _offload(self, plans: list[CopyPlan]) -> bool:
         """Whether a batch is enqueued by the worker: it has copy-engine or staged plans (whose

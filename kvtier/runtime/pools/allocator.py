@@ -63,8 +63,7 @@ class PageAllocator:
         # Stack of free page ids; pages are popped from the end.
         self._free = np.arange(self.num_pages - 1, -1, -1, dtype=np.int64)
         self._num_free = self.num_pages
-        self._page_offsets = torch.arange(page_size, dtype=torch.int64)
-        self._np_page_offsets = self._page_offsets.numpy()
+        self._np_page_offsets = np.arange(page_size, dtype=np.int64)
         self._batch: list[torch.Tensor] | None = None
 
     # -- queries ---------------------------------------------------------------------------
@@ -157,7 +156,10 @@ class PageAllocator:
         """Page ids → token slots, ``[n] → [n * P]``."""
         if self.page_size == 1:
             return pages.to(torch.int64)
-        return (pages.to(torch.int64)[:, None] * self.page_size + self._page_offsets).reshape(-1)
+        # numpy: half the CPU of the same torch ops (a load-back's books, on the critical path
+        # before the forward pass)
+        p = pages.numpy().astype(np.int64)
+        return torch.from_numpy((p[:, None] * self.page_size + self._np_page_offsets).reshape(-1))
 
     def slots_to_pages(self, slots: torch.Tensor) -> torch.Tensor:
         """Token slots that form whole page-aligned runs → page ids. Raises otherwise."""
