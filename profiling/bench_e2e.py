@@ -262,6 +262,7 @@ def time_start(cache, tokens: list[int], n: int, prepare, reps: int = 5) -> None
     main_thread = threading.get_ident()
 
     def wrap(owner, name):
+        own = name in vars(owner)  # else inherited: restored by deleting the wrapper
         fn = getattr(owner, name)
         key = f"{getattr(owner, '__name__', owner)}.{name}"
 
@@ -277,15 +278,17 @@ def time_start(cache, tokens: list[int], n: int, prepare, reps: int = 5) -> None
                 cur[1] += 1
 
         setattr(owner, name, timed)
-        return owner, name, fn
+        return owner, name, fn, own
 
     rows: dict[str, list[tuple[float, int]]] = {}
     for rep in range(reps + 1):
         prepare("overlap")
         sync()
-        saved = [wrap(o, nm) for o, nm in targets]
+        saved: list = []
         acc.clear()
         try:
+            for o, nm in targets:  # each one restored below, even if a later one fails
+                saved.append(wrap(o, nm))
             t0 = time.perf_counter()
             req = cache.match(tokens)
             t1 = time.perf_counter()
@@ -294,8 +297,11 @@ def time_start(cache, tokens: list[int], n: int, prepare, reps: int = 5) -> None
             cache.start_loading()
             t3 = time.perf_counter()
         finally:
-            for o, nm, fn in saved:
-                setattr(o, nm, fn)
+            for o, nm, fn, own in reversed(saved):
+                if own:
+                    setattr(o, nm, fn)
+                else:
+                    delattr(o, nm)
         acc["= match"] = [t1 - t0, 1]
         acc["= reserve"] = [t2 - t1, 1]
         acc["= start_loading"] = [t3 - t2, 1]

@@ -256,7 +256,7 @@ def _run(c: DemoConfig, l3_root: str | None, progress: bool, out) -> DemoResult:
             turns_done[u] += 1
             n = c.message_tokens[(u + turn) % len(c.message_tokens)]
             prompt = history[u] + torch.randint(0, mc.vocab, (n,), generator=gen).tolist()
-            loaded = _prefetch(cache, prompt)
+            _prefetch(cache, prompt)
             got = runner.generate(prompt, c.answer_tokens)
             req = runner.last_request
             if c.check_integrity:
@@ -266,8 +266,7 @@ def _run(c: DemoConfig, l3_root: str | None, progress: bool, out) -> DemoResult:
                 identical &= got.tokens == cold.tokens and torch.equal(got.logits, cold.logits)
             device_hits += req.device_hit
             host_hits += req.host_hit
-            if loaded is not None:  # the part of the L3 read that the request then used
-                storage_hits += max(0, min(req.cached_len, loaded[1]) - loaded[0])
+            storage_hits += req.storage_hit  # the part of the L3 read it was served
             trace.append(Turn(prompt, got.tokens))
             history[u] = prompt + got.tokens
             if bar is not None:
@@ -313,15 +312,14 @@ def _schedule(users: int, turns: int, gen: torch.Generator) -> list[int]:
     return order
 
 
-def _prefetch(cache: TieredKVCache, prompt: list[int]) -> tuple[int, int] | None:
-    """Read what only L3 holds of ``prompt`` back to host; returns the positions it filled."""
+def _prefetch(cache: TieredKVCache, prompt: list[int]) -> None:
+    """Read what only L3 holds of ``prompt`` back to host."""
     pf = cache.prefetch(prompt)
     while pf is not None and not pf.done:
         # One scheduler step: wake when a background L3 step finishes (or after a short wait),
         # then let the cache act on it.
         cache.l3.wait_some(_STEP_WAIT_S)
         cache.poll()
-    return pf.loaded_range if pf is not None else None
 
 
 def _pct(part: float, whole: float) -> str:

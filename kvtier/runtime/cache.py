@@ -229,6 +229,7 @@ class TieredKVCache:
                 req.pin = lock
                 req.kv_slots = tree.path_slots(node)
                 req.host_hit = req.kv_slots.numel() - req.device_hit
+                req.storage_hit = books.l3_tokens
                 req.cache_protected_len = req.kv_slots.numel()
                 self.counters.load_backs += 1
             else:
@@ -245,7 +246,7 @@ class TieredKVCache:
                     tree.unpin(req.pin)
                 raise
         req.computed_len = req.cached_len
-        self._metrics.add_request(len(tokens), req.device_hit, req.host_hit)
+        self._metrics.add_request(len(tokens), req)
         self.requests[id(req)] = req
         return req
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.kernels.copier import CopyPlan, HostCopier, IssueWorker, Ticket
+from kvtier.kernels.dispatch import RouteReason
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.tp import all_reduce_max, all_reduce_min
 from kvtier.runtime.tree.node import TreeNode
@@ -86,6 +87,11 @@ class PoolBinding:
     copiers: tuple[BoundCopier, ...] = ()
 
 
+# The paths a planned copy can take (``Route.path``): the copy engine, the staged path, and the
+# kernel path's implementations (``kvtier.kernels.dispatch.select_impl``).
+COPY_PATHS = ("copy_engine", "staged", "triton", "interpreter", "torch")
+
+
 @dataclass
 class TransferStats:
     """Monotonic counters of the copies issued and acknowledged.
@@ -118,8 +124,12 @@ class TransferStats:
     h2d_acked: int = 0
     d2h_timed_bytes: int = 0
     h2d_timed_bytes: int = 0
-    paths: dict[str, int] = field(default_factory=dict)
-    route_reasons: dict[str, int] = field(default_factory=dict)
+    # Every path and reason from the start, at 0: a dashboard or alert sees each series before
+    # its first count.
+    paths: dict[str, int] = field(
+        default_factory=lambda: {f"{d}.{p}": 0 for d in ("d2h", "h2d") for p in COPY_PATHS}
+    )
+    route_reasons: dict[str, int] = field(default_factory=lambda: {r.value: 0 for r in RouteReason})
 
     def count_plan(self, plan: CopyPlan) -> None:
         key = f"{'d2h' if plan.d2h else 'h2d'}.{plan.route.path}"

@@ -23,8 +23,34 @@ from dataclasses import dataclass
 from kvtier.metrics import Direction, Tier, TierMetrics
 from kvtier.runtime.controller import TransferStats
 from kvtier.runtime.l3.prefetch import RevokeReason
+from kvtier.runtime.request import Request
 
-__all__ = ["CacheCounters", "CacheMetrics"]
+__all__ = ["L3_COUNTERS", "CacheCounters", "CacheMetrics"]
+
+# Every key ``L3Tier.counters`` and the storage switch count, so that the snapshot holds each
+# from the start, at 0 (tests/runtime/test_metrics_keys.py checks the list against the code).
+L3_COUNTERS = (
+    "backup_failed_pages",
+    "backup_not_started_detaching",
+    "backup_pages",
+    "backup_revoked_pages",
+    "l3_decision_load",
+    "l3_decision_recompute",
+    "prefetch_cut_host_capacity",
+    "prefetch_not_started_detaching",
+    "prefetch_not_started_host_occupancy",
+    "prefetch_not_started_short",
+    *(f"prefetch_revoked_{r.value}" for r in RevokeReason),
+    "prefetch_revoked_detach",  # aborted by a forced detach
+    "prefetched_tokens",  # tokens prefetches read from L3 into the host tier (served or not)
+    "storage_attached",
+    "storage_backfill_jobs",
+    "storage_changes_refused",
+    "storage_clear_failed",
+    "storage_cleared",
+    "storage_detach_timeouts",
+    "storage_detached",
+)
 
 
 @dataclass
@@ -62,14 +88,18 @@ class CacheMetrics:
         self.l3_counters = l3_counters
         self._host_seen = (0, 0.0, 0, 0.0)
 
-    def add_request(self, prompt_tokens: int, device_hit: int, host_hit: int) -> None:
+    def add_request(self, prompt_tokens: int, req: Request) -> None:
+        """A matched request: ``host_hit_tokens`` counts every token loaded back from host; the
+        per-tier ``hit_tokens`` split the hit into device, host and storage (the tokens an L3
+        prefetch read for it, ``req.storage_hit``), so they sum to the tokens served."""
         c = self.counters
         c.requests += 1
         c.prompt_tokens += prompt_tokens
-        c.device_hit_tokens += device_hit
-        c.host_hit_tokens += host_hit
-        self.tiers.add_hit_tokens(Tier.DEVICE, device_hit)
-        self.tiers.add_hit_tokens(Tier.HOST, host_hit)
+        c.device_hit_tokens += req.device_hit
+        c.host_hit_tokens += req.host_hit
+        self.tiers.add_hit_tokens(Tier.DEVICE, req.device_hit)
+        self.tiers.add_hit_tokens(Tier.HOST, req.host_hit - req.storage_hit)
+        self.tiers.add_hit_tokens(Tier.STORAGE, req.storage_hit)
 
     def sync_host(self) -> None:
         """Carry the copies timed since the last call into the host tier's transfer counters."""
@@ -106,7 +136,8 @@ class CacheMetrics:
         out.update({f"copy_route.{k}": v for k, v in sorted(s.route_reasons.items())})
         out.update({f"tier.{k}": v for k, v in self.tiers.snapshot().items()})
         if self.l3_counters is not None:
-            out.update({f"l3.{k}": v for k, v in sorted(self.l3_counters.items())})
+            lc = self.l3_counters
+            out.update({f"l3.{k}": lc[k] for k in sorted(set(L3_COUNTERS).union(lc))})
         return out
 
     def _families(self) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
@@ -195,8 +226,19 @@ class CacheMetrics:
                     "counter",
                     "Prefetches revoked, by reason.",
                     [
-                        ({"reason": r.value}, lc[f"prefetch_revoked_{r.value}"])
-                        for r in RevokeReason
+                        ({"reason": r}, lc[f"prefetch_revoked_{r}"])
+                        for r in (*(r.value for r in RevokeReason), "detach")
+                    ],
+                ),
+                (
+                    "kvtier_l3_events_total",
+                    "counter",
+                    "The L3 tier's other counters (l3.* in the snapshot): pages backed up, "
+                    "failed or revoked, prefetches not started or cut, storage changes.",
+                    [
+                        ({"event": k}, lc[k])
+                        for k in sorted(set(L3_COUNTERS).union(lc))
+                        if not k.startswith(("l3_decision_", "prefetch_revoked_"))
                     ],
                 ),
             ]

@@ -22,6 +22,10 @@ class Request(CacheRequest):
     Attributes:
         device_hit: prompt tokens found on the device.
         host_hit: prompt tokens loaded back from host.
+        storage_hit: of ``host_hit``, the tokens an L3 prefetch read for them, served here for the
+            first time (a later hit of the same tokens is a device or host hit). The cache's
+            per-tier hit counters split a request's hit into device, host (``host_hit -
+            storage_hit``) and storage.
         computed_len: tokens whose KV/state the runner has written.
         mamba_ckpt: a slot holding the state at ``mamba_ckpt_len`` tokens (page-aligned).
         released: ``""`` while the request runs; ``"finished"`` or ``"aborted"`` once
@@ -33,6 +37,7 @@ class Request(CacheRequest):
 
     device_hit: int = 0
     host_hit: int = 0
+    storage_hit: int = 0
     computed_len: int = 0
     mamba_ckpt: torch.Tensor | None = None
     mamba_ckpt_len: int = 0

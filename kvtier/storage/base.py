@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import re
 import time
 from abc import ABC, abstractmethod
@@ -106,8 +107,15 @@ def _hash_problem(page_hash: object) -> str | None:
 
 
 def check_modes(cfg: object) -> None:
-    """A file store config's ``dir_mode`` and ``file_mode``: permission bits within 0o777 that
-    keep the owner's access (the root's permissions are the store's security boundary)."""
+    """A file store config's ``root`` (a non-empty path, as str or ``os.PathLike``, without NUL),
+    and its ``dir_mode`` and ``file_mode``: permission bits within 0o777 that keep the owner's
+    access (the root's permissions are the store's security boundary)."""
+    root = cfg.root
+    path = os.fspath(root) if isinstance(root, (str, os.PathLike)) else None
+    if not isinstance(path, str):
+        raise TypeError(f"root: expected a str or os.PathLike path, got {root!r}")
+    if not path or "\0" in path:
+        raise ValueError(f"root: expected a non-empty path without NUL, got {path!r}")
     for name, owner in (("dir_mode", 0o700), ("file_mode", 0o600)):
         mode = getattr(cfg, name)
         if isinstance(mode, bool) or not isinstance(mode, int):

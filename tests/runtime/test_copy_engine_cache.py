@@ -18,6 +18,11 @@ from kvtier.kernels.dispatch import RouteReason
 from tests.runtime.synthetic import MODELS, check_cached, make_cache, run_turn
 
 
+def taken(counts: dict[str, int]) -> set[str]:
+    """The paths or reasons counted at least once (every one is a key from the start, at 0)."""
+    return {k for k, v in counts.items() if v}
+
+
 @pytest.mark.parametrize("value, exc", [("fast", ValueError), (3, TypeError)])
 def test_config_refuses_bad_io_backend(value, exc):
     cache = make_cache(MODELS["full"], "write_through")
@@ -43,11 +48,11 @@ def test_cpu_cache_falls_back_and_counts_why():
     cache = make_cache(MODELS["full+swa"], "write_through", io_backend="copy_engine")
     _turns(cache)
     st = cache.controller.stats
-    assert set(st.paths) == {"d2h.interpreter", "h2d.interpreter"} or set(st.paths) == {
+    assert taken(st.paths) == {"d2h.interpreter", "h2d.interpreter"} or taken(st.paths) == {
         "d2h.torch",
         "h2d.torch",
     }
-    assert set(st.route_reasons) == {"fallback_no_engine"}
+    assert taken(st.route_reasons) == {"fallback_no_engine"}
     assert sum(st.route_reasons.values()) == sum(st.paths.values())
 
 
@@ -75,12 +80,12 @@ def test_engine_route_end_to_end(monkeypatch, layout, worker):
     if layout == "page_first":
         # The two full layers interleave inside a host page: the kernel moves them. The one
         # SWA layer has nothing to interleave with: its pages are contiguous.
-        assert set(st.route_reasons) == {"fallback_not_contiguous", "io_backend_copy_engine"}
+        assert taken(st.route_reasons) == {"fallback_not_contiguous", "io_backend_copy_engine"}
         assert calls
     else:
         # A forced copy engine takes no SMs: no kernel lead layer.
-        assert set(st.paths) == {"d2h.copy_engine", "h2d.copy_engine"}
-        assert set(st.route_reasons) == {"io_backend_copy_engine"}
+        assert taken(st.paths) == {"d2h.copy_engine", "h2d.copy_engine"}
+        assert taken(st.route_reasons) == {"io_backend_copy_engine"}
         # a load issues one batch per pool layer that holds bytes to move
         assert len(calls) >= st.paths["d2h.copy_engine"] + st.paths["h2d.copy_engine"]
     assert threads == ({"kvtier-issue"} if worker else {threading.main_thread().name})

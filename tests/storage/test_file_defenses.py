@@ -533,3 +533,34 @@ def test_startup_deletes_only_temp_files_nobody_will_finish(
     left = {k for k, (fname, _) in temps.items() if (root / fname).exists()}
     assert left == {"live", "other-host", "not-ours"}, left
     assert sum(1 for p in root.iterdir() if p.is_dir()) == 1
+
+
+def segment_store(**config: object) -> StorageBackend:
+    from kvtier.storage import create_backend
+
+    return create_backend("file", **config)
+
+
+@pytest.mark.parametrize("make", [per_page, segment_store], ids=["per-page", "segments"])
+@pytest.mark.parametrize("where", ["a-file", "under-a-file", "empty", "nul", "int", "bytes"])
+def test_a_root_that_cannot_be_one_is_refused_by_name(
+    tmp_path: Path, make: Callable[..., StorageBackend], where: str
+) -> None:
+    """A root that is a file, or lies under one, is a ``ValueError`` naming the root and why (it
+    was ``NotADirectoryError``/``FileExistsError``); an empty path, one with NUL, or one that is
+    not a path at all is refused before anything is touched."""
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"not a directory")
+    value, error, says = {
+        "a-file": (blocker, ValueError, "Not a directory"),
+        "under-a-file": (blocker / "l3", ValueError, "(Not a directory|File exists)"),
+        "empty": ("", ValueError, "non-empty"),
+        "nul": (str(tmp_path / "a\0b"), ValueError, "NUL"),
+        "int": (5, TypeError, "os.PathLike"),
+        "bytes": (os.fsencode(tmp_path / "l3"), TypeError, "os.PathLike"),
+    }[where]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(error, match=rf"root.*{says}"):
+        make(root=value)
+    assert blocker.read_bytes() == b"not a directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

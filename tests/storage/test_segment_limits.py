@@ -211,6 +211,7 @@ def test_new_root_swapped_for_a_symlink_is_not_followed(tmp_path: Path, monkeypa
             os.symlink(victim, path)
 
     monkeypatch.setattr(root_module.os, "mkdir", racing_mkdir)
-    with pytest.raises(OSError):
+    with pytest.raises(ValueError, match="cannot be made or opened as a directory") as e:
         root_module.open_root(tmp_path / "l3", 0o750, False)
+    assert isinstance(e.value.__cause__, OSError)  # the symlink was refused, not followed
     assert stat.S_IMODE(os.stat(victim).st_mode) == 0o600

@@ -137,6 +137,7 @@ class StorageSwitch:
         self.controller = controller
         self.metrics = metrics
         self.counters: Counter[str] = tier.counters if tier is not None else Counter()
+        metrics.l3_counters = self.counters  # every l3.* key from the start, attached or not
         self.state = "attached" if tier is not None else "detached"
         self.pending: StorageChange | None = None  # this rank's request, not yet agreed
         self._applied = 0  # changes agreed so far: equal on every rank

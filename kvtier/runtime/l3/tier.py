@@ -46,7 +46,6 @@ from kvtier.storage import (
     Namespace,
     PrefetchOutcome,
     StorageBackend,
-    Tier,
     create_backend,
     page_hashes,
 )
@@ -486,7 +485,7 @@ class L3Tier:
         self._loading.remove(op)
         outcome = graft_agreed(self.tree, self.cfg.page_size, op, pages, swa, mamba)
         self._draining.append(op)
-        self.metrics.add_hit_tokens(Tier.STORAGE, op.loaded_tokens)
+        self.counters["prefetched_tokens"] += op.loaded_tokens  # a hit once a match serves it
         self._end(op, outcome)
 
     # -- releasing held slots ---------------------------------------------------------------------

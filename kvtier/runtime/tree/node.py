@@ -69,6 +69,7 @@ class TreeNode:
         "children",
         "ckey",
         "end",
+        "from_l3",
         "hit_count",
         "host_pins",
         "host_value",
@@ -109,6 +110,9 @@ class TreeNode:
         self.priority = 0
         self.retention: int | None = None  # highest priority of the retention pins covering it
         self.page_hashes: list[str] | None = None
+        # Host data a prefetch read from L3, not yet on the device: its first load-back counts
+        # its tokens as L3 hits (``LoadBack.l3_tokens``); device data clears it (``set_device``).
+        self.from_l3 = False
         self.attached = True
 
     def own_pins(self) -> list[int]:

@@ -170,6 +170,7 @@ class HostTier:
             return None
         full_slots, mamba_slot = taken
         pairs: dict[str, tuple[list, list]] = {c.name: ([], []) for c in self.tree.components}
+        l3_tokens = sum(len(x.key) for x in to_load if x.from_l3)  # set_device clears the mark
         for x, slots in zip(to_load, full_slots):
             self.tree.set_device(x, 0, slots)
             pairs[self.tree.full.name][0].append(slots)
@@ -184,7 +185,9 @@ class HostTier:
             pairs[mamba.name][0].append(mamba_slot)
             pairs[mamba.name][1].append(anchor.host_value[mamba.slot])
         loaded = sum(len(x.key) for x in to_load)
-        return LoadBack(anchor, _transfers(pairs, "h2d"), self.tree.pin(anchor), pin, loaded)
+        return LoadBack(
+            anchor, _transfers(pairs, "h2d"), self.tree.pin(anchor), pin, loaded, l3_tokens
+        )
 
     def _allocate_load(
         self, to_load: list[TreeNode], swa_nodes: list[TreeNode], load_mamba: bool
@@ -291,6 +294,7 @@ class HostTier:
         if pos == total:
             return node, pos
         leaf = TreeNode(key[pos:], node, len(self.tree.components), namespace)
+        leaf.from_l3 = True
         self.tree._link(node, leaf)
         for name, slots in host_slots_per_pool.items():
             self.tree.set_host(leaf, comps[name].slot, slots[pos:].clone())

@@ -166,6 +166,8 @@ class UnifiedRadixTree:
         """Give ``node`` device data of component ``slot`` (it had none)."""
         comp = self.components[slot]
         node.value[slot] = value
+        if slot == 0:
+            node.from_l3 = False  # served from the device from now on
         amount = comp.amount(node)
         if node.pins[slot]:
             self.protected[slot] += amount
@@ -331,6 +333,7 @@ class UnifiedRadixTree:
         upper.hit_count = node.hit_count
         upper.priority = node.priority
         upper.retention = node.retention  # covered by exactly the retention pins covering node
+        upper.from_l3 = node.from_l3
         if node.page_hashes is not None:
             upper.page_hashes = node.page_hashes[: at // P]
             node.page_hashes = node.page_hashes[at // P :]

@@ -193,7 +193,8 @@ class LoadBack:
     """A host→device load whose books are committed; the copies are still to be done.
 
     ``pin`` pins the loaded path on device and ``host_pin`` the anchor's host data until
-    ``finish_load_back``, so neither side of an in-flight copy can be freed.
+    ``finish_load_back``, so neither side of an in-flight copy can be freed. ``l3_tokens``: of
+    ``loaded_tokens``, those a prefetch read from L3 and that reach the device for the first time.
     """
 
     anchor: TreeNode
@@ -201,3 +202,4 @@ class LoadBack:
     pin: PinHandle
     host_pin: HostPinHandle
     loaded_tokens: int
+    l3_tokens: int = 0

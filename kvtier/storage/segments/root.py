@@ -41,14 +41,25 @@ def open_root(root: Path, dir_mode: int, allow_unsafe_root: bool) -> int:
     """Create ``root`` (mode ``dir_mode`` exactly) or check the existing one; its descriptor.
 
     An existing root that other users could write into (write bits beyond ``dir_mode``, or
-    another owner) raises ``ValueError``, or only logs a warning with ``allow_unsafe_root``.
+    another owner) raises ``ValueError``, or only logs a warning with ``allow_unsafe_root``; so
+    does a root that cannot be made or opened as a directory (a file, a path under a file, no
+    permission), naming it and why.
     """
-    root.parent.mkdir(parents=True, exist_ok=True)
     try:
-        os.mkdir(root, 0o700)  # the umask may narrow it (even to nothing) until the chmod
-        created = True
-    except FileExistsError:
-        created = False
+        root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(root, 0o700)  # the umask may narrow it (even to nothing) until the chmod
+            created = True
+        except FileExistsError:
+            created = False
+        return _open_root(root, dir_mode, allow_unsafe_root, created)
+    except OSError as e:
+        raise ValueError(
+            f"root {str(root)!r}: cannot be made or opened as a directory ({e.strerror or e})"
+        ) from e
+
+
+def _open_root(root: Path, dir_mode: int, allow_unsafe_root: bool, created: bool) -> int:
     nofollow = 0
     if created:
         # The mode before the open: under a umask such as 0o400 or 0o777 the new directory

@@ -136,9 +136,10 @@ def test_bad_kv_sidecar_page_truncates_to_whole_pages(tmp_path, P, pool, fault):
     want = PrefetchOutcome.CHECKSUM_MISS if fault == "corrupt" else PrefetchOutcome.PARTIAL
     assert pf.outcome is want, pf
     m = cache.metrics()
-    assert m["tier.hit_tokens.storage"] == victim * P and m["tier.failed_pages.read"] == 1, m
-    # The pages before the bad one carry no window of their own: nothing usable is served.
-    assert req.cached_len == 0, req
+    assert m["l3.prefetched_tokens"] == victim * P and m["tier.failed_pages.read"] == 1, m
+    # The pages before the bad one carry no window of their own: nothing usable is served, and
+    # no storage hit is counted (it counted the prefetched tokens before).
+    assert req.cached_len == 0 and m["tier.hit_tokens.storage"] == 0, (req, m)
     finish(cache)
 
 
