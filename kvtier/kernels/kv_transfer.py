@@ -641,6 +641,10 @@ def _launch(
                 if other.compiled is None:
                     g, a = _launch_args(other, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
                     other.compiled = _kv_copy_kernel.warmup(*a, grid=(g,), **other.meta)
+                    # Load it onto the GPU now as well: a module's first load waits for the
+                    # device to go idle (H100: the first host hit's load blocked the CPU for
+                    # the 46 ms the forward pass queued before it still took to run).
+                    _ = other.compiled.run
 
 
 def _launch_args(

@@ -103,3 +103,51 @@ def test_serving_compiles_nothing_after_construction():
     m = cache.metrics()
     assert m["loads"] > 0 and m["backups"] > 0, m
     assert compiled_variants() == n, "serving compiled a copy-kernel variant"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="loads modules only on the GPU")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_first_load_does_not_wait_for_queued_compute(layout):
+    """The first host hit of a fresh cache starts its load without waiting for the forward pass
+    queued before it: every copy-kernel variant is loaded onto the GPU at construction. The
+    large host-to-device variant was only compiled there, and its first launch (a module load)
+    waited for the device to go idle: 46 ms of CPU behind a busy H100."""
+    cfg = CacheConfig(
+        layer_kinds=("full",) * 2,
+        kv_heads=8,
+        head_dim=128,
+        page_size=P,
+        device_tokens=8192,
+        dtype=torch.bfloat16,
+        host_ratio=2.0,
+        write_policy="write_through",
+        host_layout=layout,
+        device="cuda",
+    )
+    cache = TieredKVCache(cfg)
+    prompt = list(range(1, 4097))  # 4 MiB a layer: the large variant
+    req = cache.match(prompt)
+    cache.reserve(req, len(prompt))
+    cache.computed(req, len(prompt))
+    req.token_ids = prompt
+    cache.cache_finished_req(req)
+    cache.drain()
+    cache.evict(cfg.device_tokens)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of queued "forward pass"
+    queued = torch.cuda.Event()
+    queued.record()
+    req = cache.match(prompt + [0])
+    cache.reserve(req, len(prompt) + 1)
+    assert req.host_hit > 0, req
+    cache.start_loading()
+    assert not queued.query(), "start_loading waited for the compute stream's queued work"
+    for layer in range(2):
+        cache.wait_layer(layer, [req])
+    torch.cuda.synchronize()
+    cache.computed(req, len(prompt))
+    req.token_ids = prompt
+    cache.cache_finished_req(req)
+    cache.drain()
+    cache.check_integrity()
+    cache.close()
