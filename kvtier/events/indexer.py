@@ -86,6 +86,7 @@ class _Instance:
         self.id = instance_id
         self.sub, self.dealer = sub, dealer
         self.seq: int | None = None  # last applied; None: not synced yet
+        self.run: int | None = None  # the publisher run applied (KVEventBatch.run)
         self.media: dict[str, set[bytes]] = {m: set() for m in MEDIA}
         self.info: wire.InstanceInfo | None = None
         self.seed: KeySeed | None = None
@@ -223,6 +224,12 @@ class Indexer:
                 inst.buffer.clear()
             inst.buffer[seq] = batch
             return
+        if batch.run is not None and inst.run is not None and batch.run != inst.run:
+            # Another run of the instance (a restart) whose first batches were missed: what
+            # was known of the old run is void, whatever the numbers say (a new run's numbers
+            # can repeat or pass the old run's, which read as duplicates or as the next batch).
+            self.counters["restarts"] += 1
+            self._forget(inst)
         if seq == 0:  # an instance's first batch (it clears everything): a start or a restart
             if inst.seq is not None:
                 self.counters["restarts"] += 1
@@ -247,6 +254,14 @@ class Indexer:
                 return  # refused a moment ago: not asking again yet (counted above)
             # No way to recover: apply and carry on (counted above).
         self._apply(inst, seq, batch)
+
+    @staticmethod
+    def _forget(inst: _Instance) -> None:
+        """Nothing known of the instance any more (as after its first batch's clear)."""
+        inst.seq, inst.snapshot_seq, inst.run = None, -1, None
+        inst.buffer.clear()
+        for held in inst.media.values():
+            held.clear()
 
     def _request_snapshot(self, inst: _Instance) -> None:
         req = wire.SnapshotRequest(peer=self.name, instance_id=inst.id)
@@ -274,9 +289,13 @@ class Indexer:
             return  # still waiting: the request is sent again after SNAPSHOT_RETRY_S
         inst.waiting_since = None
         self.counters["snapshots"] += 1
+        if batch.run is not None and inst.run is not None and batch.run != inst.run:
+            self.counters["restarts"] += 1  # the snapshot is of a run after the one applied
         self._apply(inst, seq, batch)
         inst.snapshot_seq = seq
         buffered, inst.buffer = inst.buffer, {}
+        if batch.run is not None:  # batches of another run than the snapshot's are void
+            buffered = {k: v for k, v in buffered.items() if v.run in (None, batch.run)}
         for s in sorted(buffered):
             if s <= inst.seq:
                 continue
@@ -315,6 +334,8 @@ class Indexer:
                 inst.seed = KeySeed.of(info)
             inst.info = info
         inst.seq = seq
+        if batch.run is not None:
+            inst.run = batch.run
         self.counters["batches"] += 1
         self.counters["events"] += len(batch.events)
 

@@ -12,6 +12,7 @@ its facts.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import Counter, deque
@@ -64,6 +65,7 @@ class PublisherThread:
         self.publisher = publisher
         self.mirror = mirror
         self.counters = counters
+        self.run = secrets.randbits(63)  # this start of the publisher, on every batch
         self.queue: deque[tuple] = deque()  # appended by the scheduler, popped here
         self.wake = threading.Event()
         self.mirror_seq = -1  # the batch the mirror is at
@@ -139,7 +141,7 @@ class PublisherThread:
         if info is not None:
             self.sent_info = info
         self.counters["events"] += len(events)
-        payload = wire.encode(wire.KVEventBatch(ts=ts, events=events, instance=info))
+        payload = wire.encode(wire.KVEventBatch(ts=ts, events=events, instance=info, run=self.run))
         try:
             self.publisher.send((wire.seq_bytes(seq), payload))
         except zmq.ZMQError as e:
@@ -152,7 +154,7 @@ class PublisherThread:
         """The mirror as one batch (call from this thread, or while it is idle)."""
         out = self.mirror.events()
         self.mirror.snapshot(out)
-        return wire.KVEventBatch(ts=time.time(), events=out.events, instance=info)
+        return wire.KVEventBatch(ts=time.time(), events=out.events, instance=info, run=self.run)
 
     def _answer(self, frames: list[bytes]) -> None:
         """Reply to one request: ``[identity, b"", msgpack SnapshotRequest]`` (REQ or DEALER)

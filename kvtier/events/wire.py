@@ -12,6 +12,9 @@ allows bytes). kvtier's additions are optional fields at the end, which vLLM's d
     BlockStored.namespace     the request namespace's canonical encoding (hex); None: none
     AllBlocksCleared.medium   which medium was cleared; None: every medium (vLLM's meaning)
     KVEventBatch.instance     who publishes, how its keys are seeded, its tier bandwidths
+    KVEventBatch.run          this run of the publisher (random per start): a subscriber that
+                              missed a restart's first batches sees the run change, whatever
+                              the sequence numbers say
 
 A snapshot (the reply on the ROUTER endpoint) is one ``KVEventBatch`` that starts with
 ``AllBlocksCleared()`` and stores every page each medium holds, valid at the sequence number
@@ -99,6 +102,7 @@ class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
     instance: InstanceInfo | None = None
+    run: int | None = None
 
 
 class SnapshotRequest(msgspec.Struct, gc=False):

@@ -174,6 +174,45 @@ def test_restarted_instance_replaces_its_index():
         ix.close()
 
 
+def test_restart_whose_first_batches_were_missed_is_noticed_by_its_run():
+    """An instance crashes (no closing batch) and restarts on the same endpoints; the
+    subscriber misses the new run's first batches, up to the old run's last number.
+    The next batch's number follows the old run's, so numbers alone read it as the old run's
+    continuation, and the index kept the dead run's pages for good (found in a user trial).
+    Every batch carries its run: the change is a restart, and a snapshot brings the new state."""
+    a = make_cache("write_through", events=loopback("inst-c"))
+    ix = subscribe(a)
+    seen: set[bytes] = set()
+    try:
+        converge(a, ix)
+        for prompt in _turns(a, seed=14, n=3):
+            run_turn(a, prompt)
+        synced(a, ix)
+        old, last = ix.held("inst-c", "CPU"), ix.seq("inst-c")
+        assert old and last is not None
+        _lossy(a, lambda seq: b"")  # the crash: nothing more leaves, not even the close's batch
+        endpoints = {"endpoint": a.events.endpoint, "snapshot_endpoint": a.events.snapshot_endpoint}
+        a.close()
+        b = make_cache("write_through", events=loopback("inst-c", heartbeat_s=0.1, **endpoints))
+        try:
+            missed = _lossy(b, lambda seq: b"" if seq <= last else None)
+            deadline = time.monotonic() + 10.0
+            for prompt in conversations(15, n=1):
+                run_turn(b, prompt)
+            while not missed or max(missed) < last or not ix.counters["restarts"]:
+                assert time.monotonic() < deadline, (missed, dict(ix.counters))
+                b.poll()
+                ix.poll(0.05)
+            converge(b, ix)
+            check_index(b, ix, seen)
+            assert not old & ix.held("inst-c", "CPU"), "the dead run's pages are still indexed"
+            assert ix.counters["restarts"] == 1, ix.counters
+        finally:
+            b.close()
+    finally:
+        ix.close()
+
+
 def test_storage_attached_and_detached_at_run_time(tmp_path):
     """L3 attached on a live cache reports its writes as storage events; a detach clears the
     storage medium (the instance reaches none of those pages any more)."""
