@@ -151,7 +151,9 @@ class EventSink:
             cfg.page_size,
             cfg.host_layout,
             None if cfg.rank_replicated else tp_size,
-            canonical_namespace(st.namespace_key if st is not None else "").hex(),
+            (
+                canonical_namespace(st.namespace_key if st is not None else "") + cfg.key_shape()
+            ).hex(),
         )
         kv = cache.controller.bindings.get("kv")
         page_bytes = kv.bytes_per_index * cfg.page_size if kv is not None else 0
@@ -326,7 +328,8 @@ class EventSink:
         ``rekey``) and the pools that hold its FULL pages."""
         self.storage_pools = tuple(tier.kv_group)
         ns = tier.namespace(None)
-        self.rekey(canonical_namespace(tier.st.namespace_key).hex(), ns.tp_size)
+        salt = canonical_namespace(tier.st.namespace_key) + tier.cfg.key_shape()
+        self.rekey(salt.hex(), ns.tp_size)
 
     def rekey(self, salt: str, tp_size: int | None) -> None:
         """The instance's page keys are now seeded with ``salt`` and ``tp_size`` (L3 attached

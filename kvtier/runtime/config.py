@@ -8,6 +8,7 @@ and shows the value. A configuration that is valid but works against itself (see
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import warnings
@@ -526,6 +527,30 @@ class CacheConfig:
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k == kind]
+
+    def key_shape(self) -> bytes:
+        """16 bytes that L3 page keys fold in beside ``model_id``, dtype, page size and layout:
+        what else gives a page's bytes their meaning (which model layer each pool layer is, the
+        item shapes, the sidecars, the Mamba state). Two caches of one ``model_id`` whose pools
+        differ (an engine upgrade that changed a sidecar's layers) then miss each other's pages
+        instead of reading them as their own."""
+        m = self.mamba
+        parts = (
+            tuple(self.layer_kinds),
+            self.kv_heads,
+            self.head_dim,
+            self.mla_dim,
+            self.full_pool,
+            tuple(
+                (s.name, s.anchor, s.ratio, s.entry_bytes, tuple(s.layers))
+                for s in self.all_sidecars
+            ),
+            None
+            if m is None
+            else (m.temporal_shape, m.conv_shapes, str(m.temporal_dtype), str(m.conv_dtypes)),
+            self.mamba_host_layout,
+        )
+        return hashlib.sha256(repr(parts).encode()).digest()[:16]
 
     @property
     def host_kv_tokens(self) -> int:

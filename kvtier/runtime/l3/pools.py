@@ -31,15 +31,20 @@ __all__ = ["L3Pool", "namespace_for"]
 def namespace_for(cfg: CacheConfig, request_namespace: Hashable, tp_size: int) -> Namespace:
     """The L3 namespace of a request: model, dtype, page size, layout, salts and TP shape.
 
-    The deployment salt (``cfg.storage.namespace_key``) and the request's namespace (LoRA id,
-    cache salt) are joined as their two ``canonical_namespace`` encodings back to back: each is
-    self-delimiting, so distinct pairs never give the same key, and namespaces the radix tree
+    The deployment salt (``cfg.storage.namespace_key``), the pools' shape
+    (``CacheConfig.key_shape``, 16 bytes) and the request's namespace (LoRA id, cache salt) are
+    joined back to back, the two namespaces as ``canonical_namespace`` encodings: each is
+    self-delimiting, so distinct triples never give the same key, and namespaces the radix tree
     keeps apart never share a page. Raises ``TypeError`` (``ValueError``) for a namespace that
     ``canonical_namespace`` refuses.
     """
     st = cfg.storage
     assert st is not None
-    joined = canonical_namespace(st.namespace_key) + canonical_namespace(request_namespace)
+    joined = (
+        canonical_namespace(st.namespace_key)
+        + cfg.key_shape()
+        + canonical_namespace(request_namespace)
+    )
     return Namespace(
         model_id=cfg.model_id,
         dtype=str(cfg.dtype).removeprefix("torch."),
