@@ -621,7 +621,14 @@ class CacheController:
 
         ``extra``: int64 ``[n]`` local values every rank must agree on (MIN), reduced in place
         in the same all-reduce; its length must be the same on every rank and every step.
+
+        Loads queued and never started (their requests aborted before a batch ran, so no
+        ``start_loading`` came) are started first: their device slots and pins are released
+        once they land, instead of waiting for the next batch (found in a user trial: an
+        aborted request's load held device pages no eviction could free).
         """
+        if self._queued:
+            self.start_loading()
         self._step += 1
         n_backup, n_load = self._ready(self._backups), self._ready(self._loads)
         if self.tp_group is not None:

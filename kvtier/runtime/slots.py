@@ -100,7 +100,8 @@ class RequestSlots:
         if short > evictable:
             raise RuntimeError(
                 f"device KV pool exhausted: {need} tokens needed, {free} free, "
-                f"{evictable} evictable"
+                f"{evictable} evictable (pinned by running requests, or by loads and backups "
+                f"in flight, which poll() releases once they land)"
             )
         self._evict(short, 0)
 

@@ -582,3 +582,31 @@ def test_namespace_changed_after_match_is_refused():
     cache.poll()
     cache.evict(64)
     cache.check_integrity()
+
+
+def test_aborted_requests_queued_load_is_released_by_poll():
+    """A host hit commits device slots and queues their load; the request is aborted before any
+    batch runs (its reserve failed for capacity, as the README's recovery path goes). The next
+    ``poll`` starts the queued load and its books are released when it lands: the slots are
+    evictable again and a new request can reserve them. They stayed locked until the next
+    ``start_loading`` (found in a user trial)."""
+    cache = make_cache(kinds=("full",))
+    prompt = list(range(1, 30))
+    serve(cache, prompt)
+    cache.drain()
+    cache.evict(10**6)
+    cache.poll()
+    req = cache.match(prompt + [5])
+    assert req.host_hit > 0
+    with pytest.raises(RuntimeError, match="device KV pool exhausted"):
+        cache.reserve(req, 10_000)
+    cache.abort(req)
+    cache.poll()
+    cache.check_integrity()
+    assert not cache.controller._queued and not cache.controller._loads
+    assert cache.evict(10**6) >= req.host_hit
+    assert cache.kv_alloc.available_size() == cache.config.device_tokens
+    other = cache.match(list(range(100, 160)))
+    cache.reserve(other, 64)  # the whole pool: nothing is left locked
+    cache.abort(other)
+    cache.check_integrity()
