@@ -17,7 +17,7 @@ LAYERS = [
     ("kvtier.runtime",),
     ("kvtier.events",),  # the runtime calls its sink; it sees runtime objects only duck-typed
     ("kvtier.kernels", "kvtier.storage"),
-    ("kvtier.metrics", "kvtier.nvtx"),
+    ("kvtier.metrics", "kvtier.nvtx", "kvtier.checks"),
 ]
 # runtime's parts get their collaborators from the builder: they never import it or the facade.
 PARTS = (

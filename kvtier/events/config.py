@@ -11,10 +11,11 @@ read vLLM's events read ours:
 
 from __future__ import annotations
 
-import math
 import numbers
 import re
 from dataclasses import dataclass
+
+from kvtier.checks import is_finite
 
 __all__ = ["MEDIA", "MEDIUM_DEVICE", "MEDIUM_HOST", "MEDIUM_STORAGE", "EventsConfig"]
 
@@ -112,5 +113,5 @@ def check_positive(v: object, name: str) -> None:
     """A positive, finite number of ``name``; raises naming it."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name}: expected a number, got {v!r}")
-    if not math.isfinite(v) or v <= 0:
+    if not is_finite(v) or v <= 0:
         raise ValueError(f"{name} must be positive and finite, got {v!r}")

@@ -126,6 +126,7 @@ class TieredKVCache:
             agreed=tp_group is not None,
         )
         self.counters = self._metrics.counters
+        parts.tree.on_evicted = self._metrics.count_evicted
         self._inserts = RequestInserts(config, parts.tree, parts.controller)
         self._slots = RequestSlots(
             config,
@@ -511,9 +512,7 @@ class TieredKVCache:
         """Free at least ``tokens`` FULL device slots if possible; returns tokens freed."""
         _check_count(tokens, "tokens")
         with nvtx_range(f"kvtier.evict {tokens} tokens"):
-            freed = self.tree.evict(full=tokens).full
-        self.counters.evicted_tokens += freed
-        return freed
+            return self.tree.evict(full=tokens).full
 
     def drain(self) -> None:
         """Wait for and acknowledge every copy in flight, and every L3 backup and prefetch.

@@ -9,7 +9,6 @@ and shows the value. A configuration that is valid but works against itself (see
 from __future__ import annotations
 
 import hashlib
-import math
 import numbers
 import warnings
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvtier.checks import is_finite
 from kvtier.kernels.dispatch import check_io_backend
 from kvtier.kernels.kv_transfer import TransferKnobs
 from kvtier.kernels.layout import HostLayout
@@ -78,7 +78,7 @@ def _int(obj: object, name: str, *, optional: bool = False, minimum: int | None 
 def _real(obj: object, name: str, *, optional: bool = False) -> None:
     """Check a finite real field: nan and inf would turn comparisons (timeouts, limits) off."""
     v = _number(obj, name, numbers.Real, "a number", optional)
-    if v is not None and not math.isfinite(v):
+    if v is not None and not is_finite(v):
         raise ValueError(f"{name} must be finite, got {v!r}")
 
 

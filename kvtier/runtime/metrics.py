@@ -101,6 +101,10 @@ class CacheMetrics:
         self.tiers.add_hit_tokens(Tier.HOST, req.host_hit - req.storage_hit)
         self.tiers.add_hit_tokens(Tier.STORAGE, req.storage_hit)
 
+    def count_evicted(self, tokens: int) -> None:
+        """FULL device tokens an eviction freed (``UnifiedRadixTree.on_evicted``)."""
+        self.counters.evicted_tokens += tokens
+
     def sync_host(self) -> None:
         """Carry the copies timed since the last call into the host tier's transfer counters."""
         s = self.transfers

@@ -41,7 +41,7 @@ class RequestSlots:
         tree: the cache's tree; its allocators hold every slot.
         inserts: checkpoints a request's prompt pages into the tree before its SWA window
             slides past them (so that their SWA data stays cached).
-        counters: the facade's counters (``evicted_tokens``).
+        counters: the facade's counters.
         swa: whether the model has SWA layers.
         mamba_pool: the device Mamba pool, or None without Mamba layers.
         layer_map: per model layer, its pool and pool-local layer.
@@ -107,8 +107,7 @@ class RequestSlots:
 
     def _evict(self, full: int, swa: int) -> None:
         with nvtx_range(f"kvtier.evict {full} tokens"):
-            res = self.tree.evict(full=full, swa=swa)
-        self.counters.evicted_tokens += res.full
+            self.tree.evict(full=full, swa=swa)  # counted by the tree's on_evicted
 
     # -- SWA slots and the window ----------------------------------------------------------------
 

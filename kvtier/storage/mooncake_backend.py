@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import os
 import random
 import socket
@@ -68,6 +67,7 @@ from enum import Enum
 
 import torch
 
+from kvtier.checks import is_finite
 from kvtier.metrics import TierMetrics
 from kvtier.storage.base import Parts, StorageBackend
 from kvtier.storage.breaker import (
@@ -189,7 +189,7 @@ def _seconds(value: object) -> bool:
     return (
         isinstance(value, (int, float))
         and not isinstance(value, bool)
-        and math.isfinite(value)
+        and is_finite(value)
         and value >= 0
     )
 

@@ -38,6 +38,7 @@ from tests.runtime.synthetic import run_turn
         ({"snapshot_endpoint": "http://x"}, ValueError, "snapshot_endpoint"),
         ({"heartbeat_s": 0}, ValueError, "heartbeat_s"),
         ({"heartbeat_s": float("nan")}, ValueError, "heartbeat_s"),
+        ({"heartbeat_s": 10**400}, ValueError, "heartbeat_s"),
         ({"heartbeat_s": True}, TypeError, "heartbeat_s"),
         ({"snapshot_peers": ["a"]}, TypeError, "snapshot_peers"),
         ({"prefill_tokens_per_s": -1.0}, ValueError, "prefill_tokens_per_s"),
@@ -254,7 +255,7 @@ def test_a_failing_send_is_counted_and_recovered():
         ix.close()
 
 
-@pytest.mark.parametrize("rate", [-5, 0, "fast", float("nan"), float("inf"), True])
+@pytest.mark.parametrize("rate", [-5, 0, "fast", float("nan"), float("inf"), 10**400, True])
 def test_indexer_refuses_a_bad_prefill_rate(rate):
     """``Indexer`` and its ``estimate`` take a prefill rate as ``EventsConfig`` does: positive
     and finite, refused by name otherwise (a negative rate made every load look free)."""

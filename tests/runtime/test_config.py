@@ -71,6 +71,7 @@ CACHE_CASES = [
     ),
     ("host_ratio-nan", {"host_ratio": NAN}, ValueError, "host_ratio .*nan"),
     ("host_ratio-inf", {"host_ratio": INF}, ValueError, "host_ratio .*inf"),
+    ("host_ratio-huge-int", {"host_ratio": 10**400}, ValueError, "host_ratio must be finite"),
     ("host_ratio-neg", {"host_ratio": -2.0}, ValueError, "host_ratio .*-2.0"),
     ("host_ratio-zero", {"host_ratio": 0.0}, ValueError, "host_ratio .*0.0"),
     ("host_ratio-str", {"host_ratio": "2"}, TypeError, "host_ratio: .*'2'"),

@@ -610,3 +610,31 @@ def test_aborted_requests_queued_load_is_released_by_poll():
     cache.reserve(other, 64)  # the whole pool: nothing is left locked
     cache.abort(other)
     cache.check_integrity()
+
+
+def test_evicted_tokens_counts_a_load_backs_evictions_too():
+    """``evicted_tokens`` counts every FULL device token evicted, also those a load-back
+    evicts to make room (it counted only ``evict()`` and ``reserve``'s)."""
+    cache = make_cache(kinds=("full",))
+
+    def on_device() -> int:
+        return sum(
+            len(n.key) for n in cache.tree.all_nodes() if n.parent and n.value[0] is not None
+        )
+
+    a, b = list(range(1, 30)), list(range(100, 160))
+    serve(cache, a)
+    cache.drain()
+    cache.evict(10**6)
+    cache.poll()
+    serve(cache, b)  # fills the device
+    cache.drain()
+    before, counted = on_device(), cache.metrics()["evicted_tokens"]
+    req = cache.match(a + [5])  # its load-back evicts part of b
+    assert req.host_hit > 0
+    evicted = before - (on_device() - req.host_hit)
+    assert evicted > 0
+    assert cache.metrics()["evicted_tokens"] - counted == evicted
+    cache.abort(req)
+    cache.poll()
+    cache.check_integrity()

@@ -396,6 +396,7 @@ def test_retention_config_is_validated():
         ((prompt(0, 8), 0), {}, ValueError, "ttl_s"),
         ((prompt(0, 8), math.nan), {}, ValueError, "ttl_s"),
         ((prompt(0, 8), math.inf), {}, ValueError, "ttl_s"),
+        ((prompt(0, 8), 10**400), {}, ValueError, "ttl_s"),  # beyond a float: no OverflowError
         ((prompt(0, 8), "5"), {}, TypeError, "ttl_s"),
         ((prompt(0, 8), True), {}, TypeError, "ttl_s"),
         ((prompt(0, 8), 5), {"priority": 1.5}, TypeError, "priority"),

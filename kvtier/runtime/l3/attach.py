@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import numbers
 from collections import Counter
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.checks import is_finite
 from kvtier.runtime.config import CacheConfig, StorageConfig
 from kvtier.runtime.l3.tier import L3Tier
 from kvtier.runtime.l3.votes import Control, decode_control, encode_poll, l3_part
@@ -198,7 +198,7 @@ class StorageSwitch:
             raise TypeError(f"graceful: expected a bool, got {graceful!r}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
             raise TypeError(f"timeout_s: expected a number of seconds, got {timeout_s!r}")
-        if not math.isfinite(timeout_s) or timeout_s < 0:
+        if not is_finite(timeout_s) or timeout_s < 0:
             raise ValueError(f"timeout_s: must be finite and >= 0 seconds, got {timeout_s!r}")
         kind = ChangeKind.DETACH_GRACEFUL if graceful else ChangeKind.DETACH_FORCED
         ms = round(timeout_s * 1000) if graceful else 0

@@ -35,11 +35,11 @@ stops device eviction, it changes the order and the manner of it.
 from __future__ import annotations
 
 import itertools
-import math
 import numbers
 from collections.abc import Callable, Hashable, Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvtier.checks import is_finite
 from kvtier.runtime.tree.node import TreeNode
 from kvtier.runtime.tree.types import TreeIntegrityError
 
@@ -161,7 +161,7 @@ def check_ttl(ttl_s: object) -> float:
     """``ttl_s`` as a float: a finite number of seconds > 0 (a forgotten pin must end)."""
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, numbers.Real):
         raise TypeError(f"ttl_s: expected a number of seconds, got {ttl_s!r}")
-    if not math.isfinite(ttl_s) or ttl_s <= 0:
+    if not is_finite(ttl_s) or ttl_s <= 0:
         raise ValueError(f"ttl_s: must be finite and > 0 seconds, got {ttl_s!r}")
     return float(ttl_s)
 

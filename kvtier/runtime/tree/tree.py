@@ -114,6 +114,9 @@ class UnifiedRadixTree:
         self.root = self._new_root()
         self.evictable = [0] * len(self.components)
         self.protected = [0] * len(self.components)
+        # Told the FULL device tokens each eviction freed, whoever asked for it (the cache's
+        # ``evicted_tokens``: a load-back's room too, not only evict() and reserve).
+        self.on_evicted: Callable[[int], None] | None = None
         self.device_leaves: set[TreeNode] = set()
         self.host_leaves: set[TreeNode] = set()
         self._clock = 0
@@ -444,7 +447,10 @@ class UnifiedRadixTree:
 
     def evict(self, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
         """See ``Eviction.evict``."""
-        return self.eviction.evict(full, swa, mamba)
+        res = self.eviction.evict(full, swa, mamba)
+        if res.full and self.on_evicted is not None:
+            self.on_evicted(res.full)
+        return res
 
     def evict_host(self, full: int = 0, swa: int = 0, mamba: int = 0) -> EvictResult:
         """See ``Eviction.evict_host``."""

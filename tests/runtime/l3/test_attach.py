@@ -396,6 +396,7 @@ def test_bad_input_is_refused_and_changes_nothing(tmp_path):
         (TypeError, "timeout_s", lambda: cache.detach_storage(timeout_s="3")),
         (ValueError, "timeout_s", lambda: cache.detach_storage(timeout_s=-1.0)),
         (ValueError, "timeout_s", lambda: cache.detach_storage(timeout_s=float("nan"))),
+        (ValueError, "timeout_s", lambda: cache.detach_storage(timeout_s=10**400)),
         (ValueError, "backend", lambda: cache.attach_storage(storage("no-such-store"))),
     ]
     for exc, arg, call in cases:
