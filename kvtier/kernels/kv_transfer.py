@@ -385,7 +385,9 @@ def _validate(
     impl: str,
 ) -> None:
     _validate_pair(dev, host, impl)
-    if layer is not None and not 0 <= layer < dev.num_layers:
+    if layer is not None and (type(layer) is not int or not 0 <= layer < dev.num_layers):
+        if type(layer) is not int:  # 1.0 failed inside the kernel, True passed as layer 1
+            raise TypeError(f"layer: expected an int or None, got {layer!r}")
         raise ValueError(f"layer: {layer} outside [0, {dev.num_layers})")
     if unit not in ("token", "page"):
         raise ValueError(f"index_unit: must be 'token' or 'page', got {unit!r}")

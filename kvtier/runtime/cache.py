@@ -35,7 +35,7 @@ boundary, and the finished request caches the state of its last page boundary.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -393,7 +393,7 @@ class TieredKVCache:
             raise TypeError(f"layer: expected an int model layer, got {layer!r}")
         if not 0 <= layer < n:
             raise ValueError(f"layer: {layer} is not a model layer in [0, {n})")
-        requests = tuple(requests)  # once: an iterator would be used up by the checks
+        requests = _requests(requests)  # once: an iterator would be used up by the checks
         for req in requests:
             self._check_request(req)
         self.controller.wait_layer(self._wait_steps[layer])
@@ -576,6 +576,16 @@ def _check_namespace(namespace: Hashable) -> None:
         raise TypeError(
             f"namespace: {namespace!r:.80} cannot key the tree ({e}); use tuples and frozensets"
         ) from None
+
+
+def _requests(requests: Iterable[Request]) -> tuple[Request, ...]:
+    """``wait_layer``'s requests as a tuple; a single request or None is refused by name."""
+    if isinstance(requests, Request) or not isinstance(requests, Iterable):
+        raise TypeError(
+            f"requests: expected an iterable of Requests (a list of the batch's), got "
+            f"{type(requests).__name__}"
+        )
+    return tuple(requests)
 
 
 def _check_count(n: int, arg: str) -> None:

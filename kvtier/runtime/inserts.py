@@ -9,8 +9,10 @@ window's slide). Each insert then backs the inserted path up to host as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvtier.nvtx import nvtx_range
@@ -109,6 +111,13 @@ def check_tokens_cover(req: Request, prefix: bool = True) -> None:
     caller's own object; a tensor or an array becomes a list, as ``match`` takes them. Nothing
     changes when it raises."""
     tokens, n = req.token_ids, req.cache_protected_len
+    if not isinstance(tokens, (Sequence, torch.Tensor, np.ndarray)) or isinstance(
+        tokens, (str, bytes, bytearray, memoryview)
+    ):
+        raise TypeError(
+            f"req.token_ids: expected a sequence of ints, a 1-D integer tensor or array, got "
+            f"{type(tokens).__name__}"
+        )
     # The values past the cached prefix only: a list's prefix is checked against the tree's
     # keys below, which equality makes valid (no second pass over a long prompt).
     some, past = (tokens[n:], n) if isinstance(tokens, list) else (tokens, 0)

@@ -105,6 +105,12 @@ def test_layer_out_of_range(pools, device):
     dev, host = pools
     with pytest.raises(ValueError, match="layer: 2 outside"):
         copy_device_to_host(dev, host, slots(1, device=device), slots(0, device=device), layer=2)
+    # Not an int: 1.0 failed inside the kernel, True was taken as layer 1.
+    for bad in (1.0, True, "1"):
+        with pytest.raises(TypeError, match="layer: expected an int or None"):
+            copy_host_to_device(
+                host, dev, slots(0, device=device), slots(1, device=device), layer=bad
+            )
 
 
 def test_mismatched_pools(device):

@@ -194,6 +194,20 @@ BAD_CALLS = [
     ("wait-layer-float", lambda c, r, x: c.wait_layer(1.0), TypeError, "layer"),
     ("wait-layer-bool", lambda c, r, x: c.wait_layer(True), TypeError, "layer"),
     ("wait-layer-foreign-req", lambda c, r, x: c.wait_layer(0, [x["foreign"]]), ValueError, "req"),
+    ("wait-layer-one-request", lambda c, r, x: c.wait_layer(0, r), TypeError, "requests"),
+    ("wait-layer-requests-none", lambda c, r, x: c.wait_layer(0, None), TypeError, "requests"),
+    (
+        "finish-token-ids-none",
+        lambda c, r, x: (setattr(r, "token_ids", None), c.cache_finished_req(r)),
+        TypeError,
+        "req.token_ids",
+    ),
+    (
+        "unfinished-token-ids-int",
+        lambda c, r, x: (setattr(r, "token_ids", 5), c.cache_unfinished_req(r)),
+        TypeError,
+        "req.token_ids",
+    ),
     ("evict-negative", lambda c, r, x: c.evict(-8), ValueError, "tokens"),
     ("evict-float", lambda c, r, x: c.evict(1.5), TypeError, "tokens"),
     ("evict-str", lambda c, r, x: c.evict("8"), TypeError, "tokens"),
@@ -279,7 +293,7 @@ def test_refused_call_leaves_books_unchanged(name, call, exc, pattern, other_cac
     again = serve(cache, prompt + [11, 12, 13, 14])
     assert again.device_hit >= 8
     other_cache.abort(foreign)
-    assert len(BAD_CALLS) >= 43
+    assert len(BAD_CALLS) >= 47
 
 
 @pytest.mark.parametrize(
