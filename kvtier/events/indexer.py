@@ -380,13 +380,15 @@ class Indexer:
         prefill_tokens_per_s: float | None = None,
     ) -> PrefixEstimate:
         """How much of ``tokens`` ``instance_id`` holds per medium, and load vs recompute time
-        of the part not on the device (see ``PrefixEstimate``)."""
+        of the part not on the device (see ``PrefixEstimate``). As ``match`` serves: the pages
+        of all but the last token (that one is always computed, for its logits)."""
         if prefill_tokens_per_s is not None:
             check_positive(prefill_tokens_per_s, "prefill_tokens_per_s")
         hashes = self.hashes(instance_id, tokens, namespace)
         inst = self._instances[instance_id]
         info = inst.info
         P = info.page_size
+        hashes = hashes[: max(len(tokens) - 1, 0) // P]
         dev, host, sto = (inst.media[m] for m in (MEDIUM_DEVICE, MEDIUM_HOST, MEDIUM_STORAGE))
         alone = {}
         for medium, held in ((MEDIUM_DEVICE, dev), (MEDIUM_HOST, host), (MEDIUM_STORAGE, sto)):

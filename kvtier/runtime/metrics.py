@@ -179,8 +179,13 @@ class CacheMetrics:
                     ({"outcome": "refused"}, c.retention_refused),
                     ({"outcome": "dropped"}, c.retention_dropped),
                     ({"outcome": "expired"}, c.retention_expired),
-                    ({"outcome": "refreshed"}, c.retention_refreshed),
                 ],
+            ),
+            (
+                "kvtier_retention_refreshes_total",
+                "counter",
+                "Retention TTLs restarted by a hit (a pin's TTL can restart many times).",
+                [({}, c.retention_refreshed)],
             ),
             (
                 "kvtier_copies_total",
@@ -235,14 +240,23 @@ class CacheMetrics:
                     ],
                 ),
                 (
+                    "kvtier_prefetched_tokens_total",
+                    "counter",
+                    "Tokens prefetches read from L3 into the host tier, served or not (a storage "
+                    "hit once a match serves them: kvtier_hit_tokens_total).",
+                    [({}, lc["prefetched_tokens"])],
+                ),
+                (
                     "kvtier_l3_events_total",
                     "counter",
-                    "The L3 tier's other counters (l3.* in the snapshot): pages backed up, "
-                    "failed or revoked, prefetches not started or cut, storage changes.",
+                    "The L3 tier's other counts (l3.* in the snapshot), each its own series: "
+                    "backup pages (written, failed, revoked, not started), prefetches (not "
+                    "started, cut), storage changes.",
                     [
                         ({"event": k}, lc[k])
                         for k in sorted(set(L3_COUNTERS).union(lc))
                         if not k.startswith(("l3_decision_", "prefetch_revoked_"))
+                        and k != "prefetched_tokens"
                     ],
                 ),
             ]

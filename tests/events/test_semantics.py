@@ -245,6 +245,11 @@ def test_estimate_weighs_loading_against_recomputing():
         assert est.saved_s > 0
         slow = ix.estimate("raw", prompt, prefill_tokens_per_s=1e9)
         assert slow.recompute_s < slow.load_s  # a fast prefill: recomputing wins
+        # As match serves: a prompt of exactly 2 pages, both on device, gets its first page (its
+        # last token is always computed); the estimate promised both.
+        two = ix.estimate("raw", prompt[: 2 * P])
+        assert (two.device_tokens, two.from_device) == (P, P), two
+        assert ix.estimate("raw", prompt[: 2 * P + 1]).device_tokens == 2 * P
     finally:
         ix.close()
         pub.close()

@@ -114,6 +114,9 @@ def test_every_key_and_series_is_there_from_the_start(tmp_path):
         cache.evict(32)
     m = cache.metrics()
     assert m["backups"] >= 1 and m["loads"] >= 1 and m["l3.backup_pages"] >= 1, m
+    # Tokens are not events: prefetched tokens have their own family.
+    assert 'event="prefetched_tokens"' not in cache.prometheus()
+    assert f"kvtier_prefetched_tokens_total {m['l3.prefetched_tokens']}" in cache.prometheus()
     assert set(m) == keys
     assert series(cache.prometheus()) == text
     cache.close()

@@ -351,6 +351,8 @@ def test_evict_lowest_drops_lower_priority_pins_first():
     text = cache.prometheus()
     for outcome, n in (("pinned", 4), ("dropped", 2), ("refused", 1), ("expired", 0)):
         assert f'kvtier_retention_pins_total{{outcome="{outcome}"}} {n}' in text, outcome
+    assert 'outcome="refreshed"' not in text  # TTL restarts are not pins: their own family
+    assert f"kvtier_retention_refreshes_total {cache.counters.retention_refreshed}" in text
     assert cache.metrics()["retention_pins"] == 4
     cache.check_integrity()
     with pytest.raises(ValueError, match="already released"):
