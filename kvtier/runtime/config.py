@@ -535,10 +535,11 @@ class CacheConfig:
         differ (an engine upgrade that changed a sidecar's layers) then miss each other's pages
         instead of reading them as their own."""
         m = self.mamba
+        # MLA ignores kv_heads and head_dim (and is shared across TP sizes): left out there.
+        heads = (self.kv_heads, self.head_dim) if self.mla_dim is None else None
         parts = (
             tuple(self.layer_kinds),
-            self.kv_heads,
-            self.head_dim,
+            heads,
             self.mla_dim,
             self.full_pool,
             tuple(

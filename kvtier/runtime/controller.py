@@ -287,6 +287,10 @@ class CacheController:
         self._backups: deque[_Op] = deque()
         self._loads: deque[_Op] = deque()
         self._queued: list[LoadBack] = []
+        # When the oldest queued load was queued (the poll count then) and the stream that was
+        # current there: a load no batch started by the poll after next is started by that
+        # poll, ordered after that stream's work (see ``poll``).
+        self._queued_at: tuple[int, torch.cuda.Stream | None] | None = None
         self._untimed: deque[_Op] = deque()  # write-back copies, acknowledged at once: timed later
         self._step = 0
         self.on_backup_done = on_backup_done
@@ -309,11 +313,14 @@ class CacheController:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True) if self.cuda else t
 
-    def _after_compute(self, stream: torch.cuda.Stream | None) -> AbstractContextManager:
-        """Issue on ``stream``, ordered after what the compute stream has queued (no-op on CPU)."""
+    def _after_compute(
+        self, stream: torch.cuda.Stream | None, compute: torch.cuda.Stream | None = None
+    ) -> AbstractContextManager:
+        """Issue on ``stream``, ordered after what the compute stream (default: the current
+        one) has queued (no-op on CPU)."""
         if not self.cuda:
             return nullcontext()
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(compute or torch.cuda.current_stream(self.device))
         return _OnStream(stream)
 
     def _event(self) -> torch.cuda.Event | None:
@@ -432,14 +439,19 @@ class CacheController:
         """
         books = self.tree.load_back(anchor)
         if books is not None:
+            if not self._queued:
+                compute = torch.cuda.current_stream(self.device) if self.cuda else None
+                self._queued_at = (self._step, compute)
             self._queued.append(books)
         return books
 
-    def start_loading(self) -> bool:
-        """Start every queued load, layer by layer, on the load stream. False if none queued."""
+    def start_loading(self, compute: torch.cuda.Stream | None = None) -> bool:
+        """Start every queued load, layer by layer, on the load stream, ordered after the work
+        ``compute`` (default: the current stream) has queued. False if none queued."""
         if not self._queued:
             return False
         loads, self._queued = self._queued, []
+        self._queued_at = None
         merged: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for lb in loads:
             for t in lb.transfers:
@@ -489,7 +501,7 @@ class CacheController:
                         ticket.advance()
 
         ticket: Ticket | InlineSteps | None = None
-        with self._after_compute(self.load_stream):
+        with self._after_compute(self.load_stream, compute):
             try:
                 # The batch's first step at once, through the kernel, before the rest is
                 # planned (HostCopier.plan_lead): the forward pass's first layer waits on it,
@@ -556,6 +568,7 @@ class CacheController:
                 # nodes already count as on device), so a later start_loading issues it again;
                 # copies this call enqueued before failing move the same bytes again.
                 self._queued = loads + self._queued
+                self._queued_at = (self._step, compute)
                 raise
         keep = [t for pair in idx.values() for t in pair]
         for pool_plans in plans.values():
@@ -622,13 +635,15 @@ class CacheController:
         ``extra``: int64 ``[n]`` local values every rank must agree on (MIN), reduced in place
         in the same all-reduce; its length must be the same on every rank and every step.
 
-        Loads queued and never started (their requests aborted before a batch ran, so no
-        ``start_loading`` came) are started first: their device slots and pins are released
-        once they land, instead of waiting for the next batch (found in a user trial: an
-        aborted request's load held device pages no eviction could free).
+        Loads queued before the previous ``poll`` and still not started (their requests were
+        aborted before a batch ran, so no ``start_loading`` came) are started first, ordered
+        after the stream that was current when they were queued: their device slots and pins
+        are released once they land, instead of waiting for the next batch (found in a user
+        trial: an aborted request's load held device pages no eviction could free). A load
+        queued since the previous poll is left to the batch's ``start_loading``.
         """
-        if self._queued:
-            self.start_loading()
+        if self._queued_at is not None and self._queued_at[0] < self._step:
+            self.start_loading(self._queued_at[1])
         self._step += 1
         n_backup, n_load = self._ready(self._backups), self._ready(self._loads)
         if self.tp_group is not None:

@@ -28,7 +28,7 @@ from kvtier.runtime.request import Request
 __all__ = ["L3_COUNTERS", "CacheCounters", "CacheMetrics"]
 
 # Every key ``L3Tier.counters`` and the storage switch count, so that the snapshot holds each
-# from the start, at 0 (tests/runtime/test_metrics_keys.py checks the list against the code).
+# from the start, at 0 (tests/runtime/test_metrics_export.py checks the list against the code).
 L3_COUNTERS = (
     "backup_failed_pages",
     "backup_not_started_detaching",

@@ -600,10 +600,11 @@ def test_namespace_changed_after_match_is_refused():
 
 def test_aborted_requests_queued_load_is_released_by_poll():
     """A host hit commits device slots and queues their load; the request is aborted before any
-    batch runs (its reserve failed for capacity, as the README's recovery path goes). The next
-    ``poll`` starts the queued load and its books are released when it lands: the slots are
-    evictable again and a new request can reserve them. They stayed locked until the next
-    ``start_loading`` (found in a user trial)."""
+    batch runs (its reserve failed for capacity, as the README's recovery path goes). The poll
+    after next starts the queued load (one step passed with no ``start_loading``) and its books
+    are released when it lands: the slots are evictable again and a new request can reserve
+    them. They stayed locked until the next ``start_loading`` (found in a user trial). A poll
+    between a batch's match and its ``start_loading`` leaves the load to the batch."""
     cache = make_cache(kinds=("full",))
     prompt = list(range(1, 30))
     serve(cache, prompt)
@@ -615,6 +616,8 @@ def test_aborted_requests_queued_load_is_released_by_poll():
     with pytest.raises(RuntimeError, match="device KV pool exhausted"):
         cache.reserve(req, 10_000)
     cache.abort(req)
+    cache.poll()  # the step the load was queued in: still the batch's to start
+    assert cache.controller._queued
     cache.poll()
     cache.check_integrity()
     assert not cache.controller._queued and not cache.controller._loads
@@ -623,6 +626,16 @@ def test_aborted_requests_queued_load_is_released_by_poll():
     other = cache.match(list(range(100, 160)))
     cache.reserve(other, 64)  # the whole pool: nothing is left locked
     cache.abort(other)
+    cache.check_integrity()
+    # A batch that polls between its match and its start_loading keeps its load.
+    cache.evict(10**6)
+    cache.poll()
+    req = cache.match(prompt + [5])
+    assert req.host_hit > 0
+    cache.poll()
+    assert cache.start_loading(), "the poll started the batch's load"
+    cache.abort(req)
+    cache.poll()
     cache.check_integrity()
 
 

@@ -215,3 +215,19 @@ def test_new_root_swapped_for_a_symlink_is_not_followed(tmp_path: Path, monkeypa
         root_module.open_root(tmp_path / "l3", 0o750, False)
     assert isinstance(e.value.__cause__, OSError)  # the symlink was refused, not followed
     assert stat.S_IMODE(os.stat(victim).st_mode) == 0o600
+
+
+def test_a_system_error_opening_the_root_stays_an_oserror(tmp_path: Path, monkeypatch) -> None:
+    """Only what the path given can cause becomes a ``ValueError`` naming the root; a failure
+    of the system (out of descriptors, disk full, IO) stays the ``OSError`` it is."""
+    import errno
+
+    from kvtier.storage.segments import root as root_module
+
+    def failing_mkdir(path, mode=0o777, *args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(root_module.os, "mkdir", failing_mkdir)
+    with pytest.raises(OSError) as e:
+        root_module.open_root(tmp_path / "l3", 0o700, False)
+    assert not isinstance(e.value, ValueError) and e.value.errno == errno.EMFILE

@@ -54,9 +54,27 @@ def open_root(root: Path, dir_mode: int, allow_unsafe_root: bool) -> int:
             created = False
         return _open_root(root, dir_mode, allow_unsafe_root, created)
     except OSError as e:
+        if e.errno not in _NOT_A_ROOT:  # out of descriptors, disk full, IO error: not the input
+            raise
         raise ValueError(
             f"root {str(root)!r}: cannot be made or opened as a directory ({e.strerror or e})"
         ) from e
+
+
+# What the path given as a root can cause (a file, a file on the way, a symlink, no access, a
+# read-only file system, a name too long); other errors are the system's and stay OSError.
+_NOT_A_ROOT = frozenset(
+    (
+        errno.ENOTDIR,
+        errno.EEXIST,
+        errno.ELOOP,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENAMETOOLONG,
+        errno.ENOENT,
+    )
+)
 
 
 def _open_root(root: Path, dir_mode: int, allow_unsafe_root: bool, created: bool) -> int:

@@ -74,3 +74,12 @@ def test_sizes_and_policies_keep_the_keys(change):
 def test_key_shape_is_stable_across_equal_configs():
     a, b = base(), dataclasses.replace(base())
     assert a.key_shape() == b.key_shape() and len(a.key_shape()) == 16
+
+
+def test_mla_keys_ignore_the_unused_head_fields():
+    """MLA caches ignore ``kv_heads`` and ``head_dim`` (and share pages across TP sizes): two
+    MLA deployments that fill them differently still share their pages."""
+    mla = dict(layer_kinds=("full",) * 2, mla_dim=16, sidecars=(), mamba=None, mamba_slots=None)
+    mla.update(swa_window=None)
+    assert seed(base(**mla, kv_heads=1, head_dim=8)) == seed(base(**mla, kv_heads=8, head_dim=64))
+    assert seed(base(**{**mla, "mla_dim": 32})) != seed(base(**mla))
