@@ -296,8 +296,9 @@ class StorageSwitch:
         # The pages this cache wrote (the tier remembers the latest ``_STORED_MEMORY``), read
         # before the tier forgets them; pages under keys it did not write stay.
         pages: dict[str, list[str]] = {}
-        for pool, h in tier.stored_pages():
-            pages.setdefault(pool, []).append(h)
+        if tier.backend.scope.writes:  # a rank that writes nothing remembers the writer's pages
+            for pool, h in tier.stored_pages():
+                pages.setdefault(pool, []).append(h)
         tier.forget_stored()
         error = None
         try:

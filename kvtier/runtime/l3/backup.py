@@ -34,7 +34,9 @@ class BackupJob:
     """Pages to write: per pool, page hashes and the host pages (ids) holding them.
 
     ``pins`` are released by the scheduler once ``done`` is set on every rank; ``stored`` lists
-    the ``(pool, hash)`` pairs that reached L3.
+    the ``(pool, hash)`` pairs that reached L3. ``complete``: every page reached L3, or this
+    rank writes nothing (the writing ranks' votes decide); the ranks agree on it before any of
+    them remembers the job's pages as stored.
     """
 
     pages: dict[str, tuple[list[str], torch.Tensor]]
@@ -44,6 +46,7 @@ class BackupJob:
     stored: list[tuple[str, str]] = field(default_factory=list)
     failed_pages: int = 0
     revoked_pages: int = 0  # not written because a forced detach cancelled the writer
+    complete: bool = False
 
     @property
     def num_pages(self) -> int:
@@ -102,8 +105,11 @@ class BackupWriter:
             try:
                 if self.writes and not self.cancel.is_set():
                     self._write(job)
+                    job.complete = len(job.stored) == job.num_pages
                 elif self.cancel.is_set():
                     job.revoked_pages = job.num_pages
+                else:
+                    job.complete = True
             except Exception:  # a backend bug must not kill the thread: count the job failed
                 log.exception("L3 backup job of %d pages failed", job.num_pages)
                 job.failed_pages = job.num_pages - len(job.stored)

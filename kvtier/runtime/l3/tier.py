@@ -241,7 +241,13 @@ class L3Tier:
         chunks.append(ids[torch.tensor(keep, dtype=torch.int64)])
         return True
 
-    def _finish_backup(self, job: BackupJob) -> None:
+    def _finish_backup(self, job: BackupJob, stored: bool) -> None:
+        """Unpin an agreed-finished job; ``stored`` (agreed: every rank's pages reached L3, or
+        the rank writes nothing): remember its pages as stored, on every rank alike, so that
+        every rank's later backups skip the same pages. A rank's own ``job.stored`` decided
+        that, and it differed where a rank writes nothing (rank-replicated caches: only rank 0
+        writes) or one rank's write failed: the ranks then queued different jobs, their FIFO
+        acknowledgements fell out of step, and a drain never ended (found in a TP trial)."""
         for pin in job.pins:
             self.tree.unpin_host(pin)
         for pool, (hashes, _) in job.pages.items():
@@ -249,10 +255,11 @@ class L3Tier:
                 self._pending.discard((pool, h))
         if id(job) in self._unrecorded:  # a clear ran while it was written: nothing is known
             self._unrecorded.discard(id(job))
-        else:
-            for key in job.stored:
-                self._stored[key] = None
-                self._stored.move_to_end(key)
+        elif stored:
+            for pool, (hashes, _) in job.pages.items():
+                for h in hashes:
+                    self._stored[(pool, h)] = None
+                    self._stored.move_to_end((pool, h))
         while len(self._stored) > _STORED_MEMORY:
             self._stored.popitem(last=False)
         self.counters["backup_pages"] += len(job.stored)
@@ -347,6 +354,7 @@ class L3Tier:
                 _ready(self._draining, lambda op: op.io_done.is_set()),
                 query_votes,
                 load_votes,
+                _ready(self._backups, lambda j: j.done.is_set() and j.complete),
             )
         )
 
@@ -355,8 +363,8 @@ class L3Tier:
         queries, loads = self._voted
         self._voted = ([], [])
         agreed = decode(v, len(queries), len(loads))
-        for _ in range(agreed.backups_done):
-            self._finish_backup(self._backups.popleft())
+        for i in range(agreed.backups_done):
+            self._finish_backup(self._backups.popleft(), i < agreed.backups_stored)
         for _ in range(agreed.drained):
             self._release(self._draining.popleft())
         for op, vote in zip(loads, agreed.loads):

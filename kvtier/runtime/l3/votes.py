@@ -17,6 +17,9 @@ has the same shape. It is a control header and then the L3 tier's votes:
     [2 + 2i, 3 + 2i]    query i (oldest QUERY_SLOTS): hit pages or -1 if not back, worth loading
     [2 + 2Q + 4j ...]   load j (oldest LOAD_SLOTS): may terminate, completed pages, SWA pages,
                         Mamba state                             -> terminate and commit
+    [last]              backup jobs finished with every page    -> remember those jobs' pages as
+                        in L3 (FIFO prefix; a rank that writes     stored (skipped by later
+                        nothing counts each finished job)          backups) on every rank alike
 
 A value a rank has not got yet is -1 (or 0 for a vote), so MIN waits for the slowest rank.
 Without TP nothing is reduced: the vector is then the L3 votes alone, and the control header
@@ -47,7 +50,7 @@ __all__ = [
 
 QUERY_SLOTS = 4
 LOAD_SLOTS = 4
-VECTOR_LEN = 2 + 2 * QUERY_SLOTS + 4 * LOAD_SLOTS
+VECTOR_LEN = 2 + 2 * QUERY_SLOTS + 4 * LOAD_SLOTS + 1
 CONTROL_LEN = 5
 
 
@@ -93,6 +96,7 @@ class Votes(NamedTuple):
     drained: int
     queries: list[QueryVote]  # at most QUERY_SLOTS
     loads: list[LoadVote]  # at most LOAD_SLOTS
+    backups_stored: int = 0  # of ``backups_done``, the leading jobs whose pages all reached L3
 
 
 def encode(votes: Votes) -> torch.Tensor:
@@ -106,6 +110,7 @@ def encode(votes: Votes) -> torch.Tensor:
     for j in range(LOAD_SLOTS):
         ld = votes.loads[j] if j < len(votes.loads) else LoadVote(False, 0, 0, 0)
         v += [int(ld.can_terminate), ld.completed_pages, ld.swa_pages, ld.mamba_state]
+    v.append(votes.backups_stored)
     return torch.tensor(v, dtype=torch.int64)
 
 
@@ -138,4 +143,4 @@ def decode(v: torch.Tensor, n_queries: int, n_loads: int) -> Votes:
         LoadVote(bool(vals[base + 4 * j]), *vals[base + 4 * j + 1 : base + 4 * j + 4])
         for j in range(n_loads)
     ]
-    return Votes(vals[0], vals[1], queries, loads)
+    return Votes(vals[0], vals[1], queries, loads, vals[-1])

@@ -175,3 +175,53 @@ def test_mla_two_ranks_rank0_writes_both_read_identically():
     nbytes, hit_tokens, complete, misses = read0
     assert nbytes == pages * r["page_bytes"] and hit_tokens == N_CONVS * PROMPT_TOKENS, read0
     assert complete == N_CONVS and misses == 0, read0
+
+
+def _rank_rebackup(rank: int, init: str, root: str, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    group = dist.group.WORLD
+    st = StorageConfig(backend="file", backend_config={"root": root}, batch_pages=2)
+    cfg = mla_config(device_tokens=32, host_ratio=2.0, storage=st, model_id="synthetic-mla-tp")
+    cache = TieredKVCache(cfg, tp_group=group)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    prompts = [torch.randint(0, 50, (16,), generator=gen).tolist() for _ in range(7)]
+    result: dict = {"queued": [], "same": []}
+    for prompt in prompts + prompts[:1]:  # the first again, once it left the host: recomputed
+        run_turn(cache, prompt)
+        for _ in range(3):
+            cache.l3.wait_some(0.05)
+            cache.poll()
+        result["queued"].append(gather(len(cache.l3._backups)))
+        result["same"].append(len(set(map(repr, gather(fingerprint(cache))))) == 1)
+    cache.drain()  # ends only while the ranks' backup jobs stay in step
+    cache.check_integrity()
+    result["stored"] = gather(len(cache.l3.stored_pages()))
+    result["backups"] = gather(cache.metrics()["l3.backup_pages"])
+    cache.close()
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.timeout(180)
+def test_backup_jobs_stay_in_step_when_only_rank0_writes():
+    """Pages rank 0 wrote are backed up again after they left the host (recomputed, no
+    prefetch). Which pages count as already stored is agreed, so both ranks skip the same ones:
+    rank 1, which writes nothing, remembered none, queued a job rank 0 did not, and the FIFO
+    acknowledgements fell out of step for good (host pins held, ``drain`` never ending; found in
+    a TP trial)."""
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'store')}"
+        out = os.path.join(d, "out.pt")
+        root = os.path.join(d, "l3")
+        mp.start_processes(_rank_rebackup, args=(init, root, out), nprocs=2, start_method="spawn")
+        r = torch.load(out)
+    assert all(r["same"]), r["same"]
+    assert all(q0 == q1 for q0, q1 in r["queued"]), r["queued"]
+    s0, s1 = r["stored"]
+    assert s0 == s1 > 0, r["stored"]  # both ranks remember what rank 0 wrote
+    b0, b1 = r["backups"]
+    assert b0 > 0 and b1 == 0, r["backups"]
