@@ -99,3 +99,60 @@ def test_without_agreement_trees_drift():
 def test_two_gpus_one_rank_each():
     same = run_two_ranks(agree=True, gpus=True)
     assert all(same), f"trees differed at steps {[i for i, s in enumerate(same) if not s]}"
+
+
+def _rank_out_of_step(rank: int, init: str, how: str, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    cfg = CacheConfig(
+        layer_kinds=("full", "full"),
+        kv_heads=1,
+        head_dim=4,
+        page_size=4,
+        device_tokens=64,
+        dtype=torch.float32,
+        host_ratio=4.0,
+        write_policy="write_through",
+    )
+    cache = TieredKVCache(cfg, tp_group=dist.group.WORLD)
+    errors = []
+    for step in range(6):
+        try:
+            if step == 3 and rank == 1 and how == "skipped-call":
+                cache.match([1, 2, -5])  # refused on this rank only: the engine skips it
+            else:
+                workload(cache, step)
+        except ValueError:
+            pass
+        try:
+            cache.poll()
+            if step == 3 and rank == 0 and how == "extra-poll":
+                cache.poll()
+        except RuntimeError as e:
+            errors.append((step, str(e)))
+            break
+    got = [None, None]
+    dist.all_gather_object(got, errors)
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["skipped-call", "extra-poll"])
+def test_ranks_out_of_step_raise_at_the_same_poll(how):
+    """A call refused on one rank only (the engine skips that request there), or an extra poll,
+    is found at the next poll: every rank raises there, naming the mismatch, while the
+    collectives are still paired. The trees drifted apart silently, and a drain never ended
+    (found in a TP trial)."""
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'store')}"
+        out = os.path.join(d, "errors.pt")
+        mp.start_processes(_rank_out_of_step, args=(init, how, out), nprocs=2, start_method="spawn")
+        e0, e1 = torch.load(out)
+    # The same poll on both (its number is in the message; with an extra poll it falls in
+    # different steps of the two ranks' loops).
+    assert e0 and e1 and "TP ranks out of step at poll" in e0[0][1], (e0, e1)
+    assert e0[0][1] == e1[0][1], (e0, e1)

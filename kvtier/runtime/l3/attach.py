@@ -141,6 +141,7 @@ class StorageSwitch:
         self.state = "attached" if tier is not None else "detached"
         self.pending: StorageChange | None = None  # this rank's request, not yet agreed
         self._applied = 0  # changes agreed so far: equal on every rank
+        self._polls = 0  # polls so far (named when the ranks are found out of step)
         self._detach: StorageChange | None = None
         self._deadline_ms = 0
         self._control: Control | None = None  # one rank: the header ``apply`` acts on
@@ -213,12 +214,17 @@ class StorageSwitch:
         """This rank's poll vector (``votes.encode_poll``); one rank: the tier's votes alone
         (None without a tier), the header kept aside."""
         ch = self.pending
+        self._polls += 1
+        c, s = self.metrics.counters, self.controller.stats
+        calls = c.requests + c.retention_pins + s.backups + s.loads
         control = Control(
             self._applied + (ch is not None),
             int(ch.kind) if ch else 0,
             -int(ch.kind) if ch else 0,
             ch.arg_ms if ch else 0,
             clock_ms,
+            calls,
+            -calls,
         )
         l3 = self.tier.local_votes() if self.tier is not None else None
         if not self.agreed:
@@ -232,6 +238,17 @@ class StorageSwitch:
         header (its ``clock_ms`` is the agreed now)."""
         if self.agreed:
             c, l3 = decode_control(v), l3_part(v)
+            if not c.in_step:
+                # Every rank sees the same MIN and MAX, so every rank raises at this poll: the
+                # collectives stay paired while the engine stops, instead of trees and votes
+                # drifting apart silently (found in a TP trial).
+                raise RuntimeError(
+                    f"TP ranks out of step at poll {self._polls}: {c.calls}..{-c.neg_calls} "
+                    f"calls that change the cache (requests matched, "
+                    f"copies issued, retention pins). Every rank must make the same calls in "
+                    f"the same order and poll() once per step (a call refused or skipped on "
+                    f"one rank only, or an extra poll)"
+                )
         else:
             c, l3 = self._control, v
         if self.tier is not None:

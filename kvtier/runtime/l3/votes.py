@@ -11,6 +11,9 @@ has the same shape. It is a control header and then the L3 tier's votes:
     [3]                 the pending change's argument (ms)       -> MIN (graceful detach timeout)
     [4]                 this rank's clock (ms since the cache    -> MIN: the agreed "now" (retention
                         was built)                                  expiry, detach deadlines)
+    [5], [6]            calls that change the books so far       -> MIN, -MAX: every rank made
+                        (requests matched, copies issued,           the same calls? (else every
+                        retention pins), and minus it               rank raises at this poll)
     L3 votes (VECTOR_LEN; zeros while no L3 is attached, on every rank alike)
     [0]                 backup jobs finished (FIFO prefix)      -> unpin that many jobs
     [1]                 terminated prefetches whose IO stopped  -> release their leftover slots
@@ -51,7 +54,7 @@ __all__ = [
 QUERY_SLOTS = 4
 LOAD_SLOTS = 4
 VECTOR_LEN = 2 + 2 * QUERY_SLOTS + 4 * LOAD_SLOTS + 1
-CONTROL_LEN = 5
+CONTROL_LEN = 7
 
 
 class Control(NamedTuple):
@@ -67,10 +70,19 @@ class Control(NamedTuple):
     neg_kind: int
     arg_ms: int
     clock_ms: int
+    calls: int = 0
+    neg_calls: int = 0
 
     @property
     def kinds_agree(self) -> bool:
         return self.kind == -self.neg_kind
+
+    @property
+    def in_step(self) -> bool:
+        """Every rank made the same number of book-changing calls before this poll (each
+        rank's n-th poll meets the others' n-th, so an extra poll shows here too: the calls
+        made before it differ)."""
+        return self.calls == -self.neg_calls
 
 
 class QueryVote(NamedTuple):
