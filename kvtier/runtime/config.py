@@ -8,6 +8,7 @@ and shows the value. A configuration that is valid but works against itself (see
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import numbers
 import warnings
@@ -527,6 +528,19 @@ class CacheConfig:
 
     def layers_of(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.layer_kinds) if k == kind]
+
+    def books_digest(self) -> int:
+        """A 62-bit digest of what decides the cache's books on a TP rank: every field but where
+        the pools live and how copies run (``device``, ``knobs``, ``io_backend``) and the L3
+        store's own settings. Ranks whose digests differ would drift apart (another host pool
+        size, say): the poll's control header compares them (``Control.in_step``)."""
+        skip = {"device", "knobs", "io_backend", "storage"}
+        fields = [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)]
+        parts = [(n, repr(v)) for n, v in fields if n not in skip]
+        st = self.storage
+        if st is not None:  # how prefetch and backup decide, not where the store is
+            parts.append(("storage", repr(dataclasses.replace(st, backend_config={}))))
+        return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 2
 
     def key_shape(self) -> bytes:
         """16 bytes that L3 page keys fold in beside ``model_id``, dtype, page size and layout:

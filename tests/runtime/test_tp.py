@@ -156,3 +156,64 @@ def test_ranks_out_of_step_raise_at_the_same_poll(how):
     # different steps of the two ranks' loops).
     assert e0 and e1 and "TP ranks out of step at poll" in e0[0][1], (e0, e1)
     assert e0[0][1] == e1[0][1], (e0, e1)
+
+
+def _rank_other_config(rank: int, init: str, out: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    cfg = CacheConfig(
+        layer_kinds=("full", "full"),
+        kv_heads=1,
+        head_dim=4,
+        page_size=4,
+        device_tokens=64,
+        dtype=torch.float32,
+        host_ratio=4.0 if rank == 0 else 2.0,  # an engine sizing host pools per rank
+        write_policy="write_through",
+    )
+    cache = TieredKVCache(cfg, tp_group=dist.group.WORLD)
+    error = ""
+    try:
+        cache.poll()
+    except RuntimeError as e:
+        error = str(e)
+    got = [None, None]
+    dist.all_gather_object(got, error)
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.timeout(240)
+def test_ranks_with_other_configs_raise_at_the_first_poll():
+    """Ranks built with configs that change the books (another host pool size) raise at the
+    first poll; their trees drifted apart silently from the first eviction (a TP trial)."""
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'store')}"
+        out = os.path.join(d, "errors.pt")
+        mp.start_processes(_rank_other_config, args=(init, out), nprocs=2, start_method="spawn")
+        e0, e1 = torch.load(out)
+    assert "config digests" in e0 and e0 == e1, (e0, e1)
+    assert not (
+        CacheConfig(
+            layer_kinds=("full",),
+            kv_heads=1,
+            head_dim=4,
+            page_size=4,
+            device_tokens=64,
+            host_ratio=2.0,
+            device="cpu",
+        ).books_digest()
+        - CacheConfig(
+            layer_kinds=("full",),
+            kv_heads=1,
+            head_dim=4,
+            page_size=4,
+            device_tokens=64,
+            host_ratio=2.0,
+            device="cpu",
+            io_backend="kernel",
+        ).books_digest()
+    ), "where the pools live and how copies run do not change the books"

@@ -142,6 +142,7 @@ class StorageSwitch:
         self.pending: StorageChange | None = None  # this rank's request, not yet agreed
         self._applied = 0  # changes agreed so far: equal on every rank
         self._polls = 0  # polls so far (named when the ranks are found out of step)
+        self._config_digest = config.books_digest()
         self._detach: StorageChange | None = None
         self._deadline_ms = 0
         self._control: Control | None = None  # one rank: the header ``apply`` acts on
@@ -225,6 +226,8 @@ class StorageSwitch:
             clock_ms,
             calls,
             -calls,
+            self._config_digest,
+            -self._config_digest,
         )
         l3 = self.tier.local_votes() if self.tier is not None else None
         if not self.agreed:
@@ -244,10 +247,11 @@ class StorageSwitch:
                 # drifting apart silently (found in a TP trial).
                 raise RuntimeError(
                     f"TP ranks out of step at poll {self._polls}: {c.calls}..{-c.neg_calls} "
-                    f"calls that change the cache (requests matched, "
-                    f"copies issued, retention pins). Every rank must make the same calls in "
-                    f"the same order and poll() once per step (a call refused or skipped on "
-                    f"one rank only, or an extra poll)"
+                    f"calls that change the cache (requests matched, copies issued, retention "
+                    f"pins), config digests {c.config}..{-c.neg_config}. Every rank must use "
+                    f"the same CacheConfig, make the same calls in the same order and poll() "
+                    f"once per step (a call refused or skipped on one rank only, or an extra "
+                    f"poll)"
                 )
         else:
             c, l3 = self._control, v

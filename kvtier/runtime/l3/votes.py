@@ -14,6 +14,8 @@ has the same shape. It is a control header and then the L3 tier's votes:
     [5], [6]            calls that change the books so far       -> MIN, -MAX: every rank made
                         (requests matched, copies issued,           the same calls? (else every
                         retention pins), and minus it               rank raises at this poll)
+    [7], [8]            the config's books digest, and minus it  -> MIN, -MAX: the same config
+                        (``CacheConfig.books_digest``)             on every rank? (else raises)
     L3 votes (VECTOR_LEN; zeros while no L3 is attached, on every rank alike)
     [0]                 backup jobs finished (FIFO prefix)      -> unpin that many jobs
     [1]                 terminated prefetches whose IO stopped  -> release their leftover slots
@@ -54,7 +56,7 @@ __all__ = [
 QUERY_SLOTS = 4
 LOAD_SLOTS = 4
 VECTOR_LEN = 2 + 2 * QUERY_SLOTS + 4 * LOAD_SLOTS + 1
-CONTROL_LEN = 7
+CONTROL_LEN = 9
 
 
 class Control(NamedTuple):
@@ -72,6 +74,8 @@ class Control(NamedTuple):
     clock_ms: int
     calls: int = 0
     neg_calls: int = 0
+    config: int = 0
+    neg_config: int = 0
 
     @property
     def kinds_agree(self) -> bool:
@@ -82,7 +86,7 @@ class Control(NamedTuple):
         """Every rank made the same number of book-changing calls before this poll (each
         rank's n-th poll meets the others' n-th, so an extra poll shows here too: the calls
         made before it differ)."""
-        return self.calls == -self.neg_calls
+        return self.calls == -self.neg_calls and self.config == -self.neg_config
 
 
 class QueryVote(NamedTuple):
