@@ -276,3 +276,32 @@ class _ShortAnswer(StorageBackend):
 def test_a_short_delete_answer_fails_the_pages_and_does_not_raise():
     b = _ShortAnswer()
     assert b.delete([PoolTransfer("kv", hashes(3))]).ok == {"kv": [False] * 3}
+
+
+def _pages(n: int, size: int) -> list[torch.Tensor]:
+    return list(torch.empty(n, size, dtype=torch.uint8).unbind(0))
+
+
+def test_a_clock_stepped_back_does_not_undo_deletes_or_stores(tmp_path: Path, monkeypatch):
+    """A record and its tombstone are ordered by their journal times. With the system clock
+    stepped back between them (NTP correcting a clock that ran ahead), an acknowledged delete
+    lost to the record it deleted, and an acknowledged set to the tombstone before it (found in
+    a user trial). A new record or tombstone is stamped after what the store knows of its key."""
+    import time
+
+    real = time.time_ns
+    b = create_backend("file", root=tmp_path / "l3")
+    gone, back = hashes(1, seed=1), hashes(1, seed=2)
+    monkeypatch.setattr(time, "time_ns", lambda: real() + 3600 * 10**9)  # an hour ahead
+    put(b, gone, _pages)
+    put(b, back, _pages)
+    assert b.delete([PoolTransfer("kv", back)]).ok["kv"] == [True]
+    monkeypatch.setattr(time, "time_ns", real)  # stepped back
+    assert b.delete([PoolTransfer("kv", gone)]).ok["kv"] == [True]
+    put(b, back, _pages)
+    assert served(b, gone, _pages) == [False], "a deleted page is served"
+    assert served(b, back, _pages) == [True], "a page stored after its delete is a miss"
+    b.close()
+    again = create_backend("file", root=tmp_path / "l3")  # and after a restart
+    assert served(again, gone, _pages) == [False] and served(again, back, _pages) == [True]
+    again.close()

@@ -201,3 +201,26 @@ def test_faked_reboot_serves_what_reached_the_disk(tmp_path: Path) -> None:
     assert ok[2 * BATCH : 3 * BATCH] == [False] * BATCH
     assert after.metrics.snapshot()["checksum_miss_pages"] == BATCH
     assert after.exists([PoolTransfer("kv", keys)]) == 2 * BATCH, "the lost records are dropped"
+
+
+def test_a_killed_writers_segment_gives_its_preallocation_back(tmp_path: Path) -> None:
+    """A writer killed with its active segment preallocated (mid-way through its second
+    segment) left that file at its whole preallocated size for good: against the root's
+    capacity and the disk, reclaimed by no later process (a user trial: 3 kills, 3 MiB of
+    pages, 192 MiB on disk). The next process to list the root truncates it to its journaled
+    records, once no writer holds it; every page journaled is still served."""
+    from kvtier.storage.segments.format import parse_entries
+
+    root = tmp_path / "l3"
+    budget = 3 * BATCH_BYTES + BATCH_BYTES // 2  # three batches, then dead mid-batch
+    done = killed_writer(tmp_path, budget, PAGE, BATCH, SEGMENT)
+    assert done == 3
+    before = {p.name: p.stat().st_size for p in root.glob("*.kvs")}
+    assert max(before.values()) == SEGMENT, before  # the active one, preallocated
+    reader = create_backend("file", root=root)
+    assert all(check_served(reader)[: done * BATCH])
+    for seg in root.glob("*.kvs"):
+        entries, _ = parse_entries(seg.with_suffix(".kvj").read_bytes())
+        end = max((e.offset + e.length for e in entries if not e.deleted), default=0)
+        assert seg.stat().st_size == end, (seg.name, seg.stat().st_size, end, before)
+    reader.close()

@@ -231,3 +231,30 @@ def test_a_system_error_opening_the_root_stays_an_oserror(tmp_path: Path, monkey
     with pytest.raises(OSError) as e:
         root_module.open_root(tmp_path / "l3", 0o700, False)
     assert not isinstance(e.value, ValueError) and e.value.errno == errno.EMFILE
+
+
+def test_root_lock_follows_a_lock_file_deleted_under_it(tmp_path: Path) -> None:
+    """An operator deletes the root's lock file while a process has it open. That process
+    locked the deleted file from then on, and one started later created and locked a new one:
+    both went on creating segments at once, past the capacity (found in a user trial). A lock
+    taken on a file no longer at its name is taken again on the one that is."""
+    from kvtier.storage.segments.root import RootLock
+
+    tmp_path.mkdir(exist_ok=True)
+    dirfd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        first = RootLock(dirfd, "lock", 0o600, 5.0)
+        first.acquire()
+        first.release()
+        (tmp_path / "lock").unlink()
+        first.acquire()  # the process's next segment creation
+        later = RootLock(dirfd, "lock", 0o600, 0.2)  # a process started after the deletion
+        with pytest.raises(TimeoutError):
+            later.acquire()
+        first.release()
+        later.acquire()
+        later.release()
+        first.close()
+        later.close()
+    finally:
+        os.close(dirfd)

@@ -26,6 +26,7 @@ Every method whose name ends in ``_locked`` needs ``mutex`` held.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -244,11 +245,33 @@ class Index:
         segment, or holds it no more (finished it, or exited or died: ``_released``)."""
         # Asked before tailing: a journal tailed after its release holds every entry it will.
         final = seg.number < self._latest.get(seg.writer, -1) or self._released(seg)
-        self._tail_locked(seg)
+        read = self._tail_locked(seg)
         if final and seg.jfd is not None:
             os.close(seg.jfd)
             seg.jfd = None
             self.changed.add(seg)
+            if read:  # every entry it holds is known: none of its records is cut off
+                self._trim(seg)
+
+    def _trim(self, seg: Segment) -> None:
+        """Give back the preallocated tail of a final segment whose writer died before finishing
+        it (``kill -9``: it kept its whole preallocated size, for good, against the root's
+        capacity and the disk; found in a user trial): truncated to its last journaled record,
+        under ``LOCK_EX`` (no writer, compaction or eviction holds it then). A finished segment
+        is already that size: nothing changes."""
+        fd = open_regular(self._dirfd, seg.stem + ".kvs", os.O_WRONLY)
+        if fd is None:
+            return
+        try:
+            if os.fstat(fd).st_size <= seg.end:
+                return
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, seg.end)  # the records journaled stay; the rest is never served
+        except OSError as e:  # held again (an eviction, a compaction), or a read-only root
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                log.warning("segment store %s: cannot trim %s: %s", self.root, seg.stem, e)
+        finally:
+            os.close(fd)  # and its lock
 
     def _released(self, seg: Segment) -> bool:
         """Whether no writer holds ``seg`` (a writer keeps ``flock(LOCK_SH)`` on its active
@@ -270,8 +293,9 @@ class Index:
             if fd != seg.fd:
                 os.close(fd)
 
-    def _tail_locked(self, seg: Segment) -> None:
-        """Index the entries ``seg``'s journal gained since the last look."""
+    def _tail_locked(self, seg: Segment) -> bool:
+        """Index the entries ``seg``'s journal gained since the last look; False if it could
+        not be read."""
         try:
             size = os.fstat(seg.jfd).st_size  # type: ignore[arg-type]
             while size > seg.jpos:
@@ -291,6 +315,8 @@ class Index:
                     break
         except OSError as e:
             log.warning("segment store %s: journal %s unreadable: %s", self.root, seg.stem, e)
+            return False
+        return True
 
     # -- the index --------------------------------------------------------------------------------
 

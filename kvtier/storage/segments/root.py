@@ -178,13 +178,29 @@ class RootLock:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
+                if self._current(fd):
+                    return
+                # The file was deleted or replaced (an operator cleaning the root): a process
+                # started since locks the new one, so this lock excludes nobody. Lock that one.
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                self.close()
+                fd = self._open()
+                continue
             except BlockingIOError:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"root lock {self._name!r} held elsewhere for {self._timeout_s} s"
                     ) from None
                 time.sleep(self._POLL_S)  # another process holds it for a few syscalls
+
+    def _current(self, fd: int) -> bool:
+        """Whether ``fd`` is still the file at the lock's name in the root."""
+        try:
+            at = os.stat(self._name, dir_fd=self._dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (at.st_dev, at.st_ino) == (mine.st_dev, mine.st_ino)
 
     def release(self) -> None:
         if self._fd is not None:

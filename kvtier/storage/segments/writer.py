@@ -178,6 +178,7 @@ class Lane:
         a ``PageViews``, which makes them in the IO thread that writes the record); ``time_ns``:
         the journal time (0: now); ``helpers``: IO threads that share its runs."""
         counts = parts.counts() if isinstance(parts, PageViews) else [len(p) for p in parts]
+        floor = 0 if time_ns else self._after_known(keys)
         m = len(keys)
         ok = [False] * m
         j = 0
@@ -194,7 +195,7 @@ class Lane:
                 act = self._roll(need)
                 if act is None:
                     break  # no room, no lock, or no disk: the rest of the batch fails
-            now = time_ns or time.time_ns()
+            now = time_ns or max(time.time_ns(), floor)
             k = self._append_some(act, keys, parts, lengths, counts, j, now, ok, uniform, helpers)
             j = k
         return ok
@@ -301,13 +302,30 @@ class Lane:
         ok[j:stored] = [True] * n
         return k
 
+    def _after_known(self, keys: list[str]) -> int:
+        """A time past every record and tombstone this process knows of ``keys``: a new one
+        must win over them, and time stamps decide (a clock stepped back, by NTP say, made an
+        acknowledged delete lose to the record it deleted, and an acknowledged set to an older
+        tombstone; found in a user trial)."""
+        index, newest = self._index, 0
+        with index.mutex:
+            entries, tombs = index.entries, index.tombs
+            for key in keys:
+                loc = entries.get(key)
+                if loc is not None and loc.time_ns > newest:
+                    newest = loc.time_ns
+                tomb = tombs.get(key)
+                if tomb is not None and tomb[0] > newest:
+                    newest = tomb[0]
+        return newest + 1
+
     def tombstone(self, keys: list[str], times: Sequence[int] | None = None) -> list[bool]:
         """Journal a tombstone for each key in the active segment (moving on to new segments as
         journals fill), so that every process's index drops the key's older records; per key
         whether its tombstone is journaled (and indexed here). ``times``: each tombstone's time
         (compaction carries a tombstone on with its own time); default now."""
         ok = [False] * len(keys)
-        j, now = 0, time.time_ns()
+        j, now = 0, max(time.time_ns(), self._after_known(keys))
         while j < len(keys):
             act = self._active
             if act is None or act.full or act.jend + ENTRY_SIZE + len(keys[j]) > act.jcap:
