@@ -258,3 +258,39 @@ def test_root_lock_follows_a_lock_file_deleted_under_it(tmp_path: Path) -> None:
         later.close()
     finally:
         os.close(dirfd)
+
+
+def test_a_full_disk_evicts_the_least_recently_used_for_room(tmp_path: Path, monkeypatch) -> None:
+    """The disk fills before any capacity is reached (none set, one above the disk, other
+    files): a new segment's preallocation fails with ENOSPC. The store evicts its least recently
+    used segments for the room and tries again; every later write failed until an operator freed
+    space (a user trial: 8 MiB of evictable pages, every set refused)."""
+    import errno
+
+    import torch
+
+    from kvtier.storage import PoolTransfer, create_backend
+
+    root = tmp_path / "l3"
+    disk = 2 << 20
+    real = os.posix_fallocate
+
+    def small_disk(fd: int, offset: int, size: int) -> None:
+        used = sum(p.stat().st_size for p in root.glob("*.kv?"))
+        if used + size > disk:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", small_disk)
+    b = create_backend("file", root=root, segment_bytes=256 << 10)
+    stored = []
+    for i in range(40):  # 10 MiB of pages through a 2 MiB disk
+        keys = [f"{i:04x}{j:060x}" for j in range(8)]
+        pages = [torch.full((32 << 10,), i, dtype=torch.uint8) for _ in keys]
+        stored.append(sum(b.set([PoolTransfer("kv", keys, pages)]).ok["kv"]))
+    assert stored == [8] * 40, stored
+    out = [torch.zeros(32 << 10, dtype=torch.uint8) for _ in range(8)]
+    keys = [f"{39:04x}{j:060x}" for j in range(8)]
+    assert b.get([PoolTransfer("kv", keys, out)]).all_ok and all(int(o[0]) == 39 for o in out)
+    assert sum(p.stat().st_size for p in root.glob("*.kv?")) <= disk
+    b.close()

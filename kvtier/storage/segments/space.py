@@ -76,10 +76,13 @@ class Space:
     def used_bytes(self) -> int:
         return sum(st.st_size for f in self.listing().values() for st in f.values())
 
-    def make_room(self, need: int, cap: int) -> bool:
-        """Delete whole segments until ``need`` more bytes fit under ``cap`` (root lock held)."""
+    def make_room(self, need: int, cap: int | None) -> bool:
+        """Delete whole segments until ``need`` more bytes fit under ``cap`` (root lock held);
+        ``cap`` None: until ``need`` bytes are freed (a full disk)."""
         files = self.listing()
         used = sum(_accounted(f) for f in files.values())
+        if cap is None:
+            cap = used
         if used + need <= cap:
             return True
         with self._index.mutex:

@@ -396,7 +396,15 @@ class Lane:
                 fd = create_file(self._dirfd, stem + ".kvs", mode)
                 fcntl.flock(fd, fcntl.LOCK_SH)  # no process deletes it while we write it
                 jfd = create_file(self._dirfd, stem + ".kvj", mode)
-                size = self._preallocate(fd, size, need, jcap)
+                try:
+                    size = self._preallocate(fd, size, need, jcap)
+                except OSError as e:
+                    # The disk is full (other files, or a capacity above the disk): the root's
+                    # least recently used segments go for the room, then one more try. Without
+                    # it every later write failed until an operator freed space (a user trial).
+                    if e.errno != errno.ENOSPC or not self._space.make_room(need + jcap, None):
+                        raise
+                    size = self._preallocate(fd, size, need, jcap)
         except (OSError, TimeoutError) as e:
             log.warning("segment store %s: cannot start a segment: %s", self._space.root, e)
             for fd_, ext in ((fd, ".kvs"), (jfd, ".kvj")):
