@@ -11,17 +11,23 @@ from kvtier.runtime.config import CacheConfig
 P = 4
 
 
-def served_cache() -> TieredKVCache:
-    cfg = CacheConfig(
-        layer_kinds=("full",),
-        kv_heads=1,
-        head_dim=4,
-        page_size=P,
-        device_tokens=32,
-        dtype=torch.float32,
-        host_ratio=4.0,
+def small_cache(**kw) -> TieredKVCache:
+    return TieredKVCache(
+        CacheConfig(
+            layer_kinds=("full",),
+            kv_heads=1,
+            head_dim=4,
+            page_size=P,
+            device_tokens=32,
+            dtype=torch.float32,
+            host_ratio=4.0,
+            **kw,
+        )
     )
-    cache = TieredKVCache(cfg)
+
+
+def served_cache() -> TieredKVCache:
+    cache = small_cache()
     for _ in range(2):
         req = cache.match(list(range(1, 14)))
         cache.reserve(req, 16)
@@ -85,18 +91,7 @@ def test_every_key_and_series_is_there_from_the_start(tmp_path):
     ``l3.backup_*``)."""
     from kvtier.runtime.config import StorageConfig
 
-    cfg = CacheConfig(
-        layer_kinds=("full",),
-        kv_heads=1,
-        head_dim=4,
-        page_size=P,
-        device_tokens=32,
-        dtype=torch.float32,
-        host_ratio=4.0,
-        write_policy="write_through",
-        model_id="m",
-    )
-    cache = TieredKVCache(cfg)
+    cache = small_cache(write_policy="write_through", model_id="m")
     keys, text = set(cache.metrics()), series(cache.prometheus())
     assert all(v == 0 for k, v in cache.metrics().items() if k.startswith(("copy_", "l3.")))
     cache.attach_storage(StorageConfig(backend_config={"root": tmp_path / "l3"}))

@@ -101,20 +101,48 @@ def test_two_gpus_one_rank_each():
     assert all(same), f"trees differed at steps {[i for i, s in enumerate(same) if not s]}"
 
 
-def _rank_out_of_step(rank: int, init: str, how: str, out: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    cfg = CacheConfig(
+def tp_config(host_ratio: float = 4.0, **kw) -> CacheConfig:
+    return CacheConfig(
         layer_kinds=("full", "full"),
         kv_heads=1,
         head_dim=4,
         page_size=4,
         device_tokens=64,
         dtype=torch.float32,
-        host_ratio=4.0,
+        host_ratio=host_ratio,
         write_policy="write_through",
+        **kw,
     )
-    cache = TieredKVCache(cfg, tp_group=dist.group.WORLD)
+
+
+def _join(rank: int, init: str) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+
+
+def _leave(rank: int, mine: object, out: str) -> None:
+    """Gather every rank's ``mine`` into ``out`` (rank 0 writes it), then leave at once."""
+    got = [None, None]
+    dist.all_gather_object(got, mine)
+    if rank == 0:
+        torch.save(got, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def two_ranks(target, *args) -> list:
+    """Run ``target(rank, init, *args, out)`` on two spawned ranks; what they gathered."""
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'store')}"
+        out = os.path.join(d, "out.pt")
+        mp.start_processes(target, args=(init, *args, out), nprocs=2, start_method="spawn")
+        return torch.load(out)
+
+
+def _rank_out_of_step(rank: int, init: str, how: str, out: str) -> None:
+    _join(rank, init)
+    cache = TieredKVCache(tp_config(), tp_group=dist.group.WORLD)
     errors = []
     for step in range(6):
         try:
@@ -131,13 +159,7 @@ def _rank_out_of_step(rank: int, init: str, how: str, out: str) -> None:
         except RuntimeError as e:
             errors.append((step, str(e)))
             break
-    got = [None, None]
-    dist.all_gather_object(got, errors)
-    if rank == 0:
-        torch.save(got, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    _leave(rank, errors, out)
 
 
 @pytest.mark.timeout(240)
@@ -147,11 +169,7 @@ def test_ranks_out_of_step_raise_at_the_same_poll(how):
     is found at the next poll: every rank raises there, naming the mismatch, while the
     collectives are still paired. The trees drifted apart silently, and a drain never ended
     (found in a TP trial)."""
-    with tempfile.TemporaryDirectory() as d:
-        init = f"file://{os.path.join(d, 'store')}"
-        out = os.path.join(d, "errors.pt")
-        mp.start_processes(_rank_out_of_step, args=(init, how, out), nprocs=2, start_method="spawn")
-        e0, e1 = torch.load(out)
+    e0, e1 = two_ranks(_rank_out_of_step, how)
     # The same poll on both (its number is in the message; with an extra poll it falls in
     # different steps of the two ranks' loops).
     assert e0 and e1 and "TP ranks out of step at poll" in e0[0][1], (e0, e1)
@@ -159,61 +177,23 @@ def test_ranks_out_of_step_raise_at_the_same_poll(how):
 
 
 def _rank_other_config(rank: int, init: str, out: str) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    cfg = CacheConfig(
-        layer_kinds=("full", "full"),
-        kv_heads=1,
-        head_dim=4,
-        page_size=4,
-        device_tokens=64,
-        dtype=torch.float32,
-        host_ratio=4.0 if rank == 0 else 2.0,  # an engine sizing host pools per rank
-        write_policy="write_through",
-    )
-    cache = TieredKVCache(cfg, tp_group=dist.group.WORLD)
+    _join(rank, init)
+    # An engine sizing host pools per rank.
+    cache = TieredKVCache(tp_config(4.0 if rank == 0 else 2.0), tp_group=dist.group.WORLD)
     error = ""
     try:
         cache.poll()
     except RuntimeError as e:
         error = str(e)
-    got = [None, None]
-    dist.all_gather_object(got, error)
-    if rank == 0:
-        torch.save(got, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    _leave(rank, error, out)
 
 
 @pytest.mark.timeout(240)
 def test_ranks_with_other_configs_raise_at_the_first_poll():
     """Ranks built with configs that change the books (another host pool size) raise at the
     first poll; their trees drifted apart silently from the first eviction (a TP trial)."""
-    with tempfile.TemporaryDirectory() as d:
-        init = f"file://{os.path.join(d, 'store')}"
-        out = os.path.join(d, "errors.pt")
-        mp.start_processes(_rank_other_config, args=(init, out), nprocs=2, start_method="spawn")
-        e0, e1 = torch.load(out)
+    e0, e1 = two_ranks(_rank_other_config)
     assert "config digests" in e0 and e0 == e1, (e0, e1)
-    assert not (
-        CacheConfig(
-            layer_kinds=("full",),
-            kv_heads=1,
-            head_dim=4,
-            page_size=4,
-            device_tokens=64,
-            host_ratio=2.0,
-            device="cpu",
-        ).books_digest()
-        - CacheConfig(
-            layer_kinds=("full",),
-            kv_heads=1,
-            head_dim=4,
-            page_size=4,
-            device_tokens=64,
-            host_ratio=2.0,
-            device="cpu",
-            io_backend="kernel",
-        ).books_digest()
-    ), "where the pools live and how copies run do not change the books"
+    # Where the pools live and how copies run do not change the books.
+    assert tp_config().books_digest() == tp_config(io_backend="kernel").books_digest()
+    assert tp_config().books_digest() != tp_config(2.0).books_digest()

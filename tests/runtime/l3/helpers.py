@@ -82,12 +82,8 @@ def produce(cache: TieredKVCache, convs: list[list[int]]) -> None:
     cache.check_integrity()
 
 
-def prefetch_and_run(cache: TieredKVCache, prompt: list[int], run: Callable = run_turn):
-    """Prefetch ``prompt``, stepping until done (bounded), then run it; returns (prefetch, req).
-
-    ``run`` is the synthetic model's ``run_turn`` (``synthetic_mla.run_turn`` for MLA caches):
-    it checks that every reused position holds what a cold run writes.
-    """
+def prefetch_to_end(cache: TieredKVCache, prompt: list[int]):
+    """Prefetch ``prompt`` to the end (bounded), checking the books after every step."""
     pf = cache.prefetch(prompt)
     start = time.monotonic()
     while pf is not None and not pf.done:
@@ -95,6 +91,16 @@ def prefetch_and_run(cache: TieredKVCache, prompt: list[int], run: Callable = ru
         cache.l3.wait_some(0.05)
         cache.poll()
         cache.check_integrity()
+    return pf
+
+
+def prefetch_and_run(cache: TieredKVCache, prompt: list[int], run: Callable = run_turn):
+    """Prefetch ``prompt``, stepping until done (bounded), then run it; returns (prefetch, req).
+
+    ``run`` is the synthetic model's ``run_turn`` (``synthetic_mla.run_turn`` for MLA caches):
+    it checks that every reused position holds what a cold run writes.
+    """
+    pf = prefetch_to_end(cache, prompt)
     req = run(cache, prompt)
     cache.check_integrity()
     return pf, req

@@ -8,14 +8,12 @@ tokens served again later are a host or device hit.
 
 from __future__ import annotations
 
-import time
-
 from kvtier.storage import PrefetchOutcome, create_backend
 from tests.runtime.l3.helpers import (
-    PREFETCH_BOUND_S,
     PROMPT_TOKENS,
     conversations,
     make_l3_cache,
+    prefetch_to_end,
     produce,
     second_turn,
 )
@@ -28,17 +26,6 @@ TIERS = ("device", "host", "storage")
 def hits(cache) -> dict[str, int]:
     m = cache.metrics()
     return {t: m[f"tier.hit_tokens.{t}"] for t in TIERS}
-
-
-def prefetch_to_end(cache, prompt):
-    pf = cache.prefetch(prompt)
-    start = time.monotonic()
-    while not pf.done:
-        assert time.monotonic() - start < PREFETCH_BOUND_S, pf
-        cache.l3.wait_some(0.05)
-        cache.poll()
-        cache.check_integrity()
-    return pf
 
 
 def test_storage_hits_are_counted_when_served_and_once(tmp_path):

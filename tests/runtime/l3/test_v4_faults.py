@@ -32,7 +32,7 @@ from kvtier.runtime.config import StorageConfig
 from kvtier.runtime.l3.pools import namespace_for
 from kvtier.storage import KeyScope, PrefetchOutcome, page_hashes
 from kvtier.storage.file_backend import FilePerPageBackend, FilePerPageConfig
-from tests.runtime.l3.helpers import PREFETCH_BOUND_S, prefetch_and_run
+from tests.runtime.l3.helpers import PREFETCH_BOUND_S, prefetch_and_run, prefetch_to_end
 from tests.runtime.synthetic_v4 import run_turn, v4_config
 
 REPLICATED = KeyScope(replicated=True)
@@ -99,18 +99,6 @@ def grafted_swa_pages(cache: TieredKVCache) -> int:
     )
 
 
-def prefetch(cache: TieredKVCache, prompt: list[int]):
-    """Prefetch ``prompt`` to the end (bounded), checking the books after every step."""
-    pf = cache.prefetch(prompt)
-    start = time.monotonic()
-    while not pf.done:
-        assert time.monotonic() - start < PREFETCH_BOUND_S, pf
-        cache.l3.wait_some(0.05)
-        cache.poll()
-        cache.check_integrity()
-    return pf
-
-
 def finish(cache: TieredKVCache) -> None:
     cache.drain()
     cache.check_integrity()
@@ -153,7 +141,7 @@ def test_bad_state_page_voids_the_swa_tail(tmp_path, pool, fault):
         corrupt(tmp_path, key)
     backend = FaultyStore(tmp_path, key, "vanish" if fault == "vanish" else "ok")
     cache = make_cache(P, backend)
-    pf = prefetch(cache, prompt)
+    pf = prefetch_to_end(cache, prompt)
     assert pf.loaded_tokens == PAGES * P, pf  # every KV-anchored page arrived and is grafted
     want = PrefetchOutcome.CHECKSUM_MISS if fault == "corrupt" else PrefetchOutcome.PARTIAL
     assert pf.outcome is want, pf
@@ -189,7 +177,7 @@ def test_hung_state_read_times_out_then_releases(tmp_path):
         prefetch_timeout_base_s=0.3,
         prefetch_timeout_per_ki_token_s=0.0,
     )
-    pf = prefetch(cache, prompt)
+    pf = prefetch_to_end(cache, prompt)
     assert backend.reached.is_set()
     assert pf.outcome is PrefetchOutcome.TIMED_OUT, pf
     assert grafted_swa_pages(cache) == 0
