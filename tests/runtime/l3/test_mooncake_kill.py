@@ -71,7 +71,7 @@ def test_mooncake_master_killed_inside_a_backup_batch(fresh_master):
     assert len(first_keys) == BATCH and all(rc == 0 for rc in first_rcs), store.puts
     assert dead_keys and all(rc != 0 for rc in dead_rcs), store.puts
 
-    # Only the first batch is acknowledged as stored; every other page of the job is a failure.
+    # Only the first batch reached the store; every other page of the job is a failure.
     l3 = cache.l3
     tree = cache.tree
     swa_pages = sum(
@@ -89,8 +89,9 @@ def test_mooncake_master_killed_inside_a_backup_batch(fresh_master):
     assert (
         m["tier.backup_failures"] == m["l3.backup_failed_pages"] == kv_pages + swa_pages - BATCH
     ), m
-    stored_keys = {f"{h}.{pool}.r0" for pool, h in l3._stored}
-    assert stored_keys == set(first_keys), (stored_keys, first_keys)
+    # An incomplete job leaves nothing remembered as stored (what every TP rank can agree on:
+    # the whole job, or none of it), so a later backup writes its pages again.
+    assert not l3._stored, l3._stored
     assert not l3._pending and not l3._backups
 
     # Pins released: every node's host copy can go, and the books balance.
