@@ -294,3 +294,33 @@ def test_a_full_disk_evicts_the_least_recently_used_for_room(tmp_path: Path, mon
     assert b.get([PoolTransfer("kv", keys, out)]).all_ok and all(int(o[0]) == 39 for o in out)
     assert sum(p.stat().st_size for p in root.glob("*.kv?")) <= disk
     b.close()
+
+
+def test_a_disk_full_of_other_files_does_not_wipe_the_store(tmp_path: Path, monkeypatch) -> None:
+    """A disk filled by other files, the store holding less than a new record needs: evicting
+    all of it would not make the room, so nothing is evicted and the write fails (counted); the
+    pages stored stay served."""
+    import errno
+
+    import torch
+
+    from kvtier.storage import PoolTransfer, create_backend
+
+    root = tmp_path / "l3"
+    b = create_backend("file", root=root, segment_bytes=256 << 10)
+    keys = [f"{0:04x}{j:060x}" for j in range(4)]
+    pages = [torch.full((16 << 10,), 7, dtype=torch.uint8) for _ in keys]
+    assert b.set([PoolTransfer("kv", keys, pages)]).all_ok
+    b.close()
+
+    def full_disk(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full_disk)
+    b = create_backend("file", root=root, segment_bytes=256 << 10)
+    more = [f"{1:04x}{j:060x}" for j in range(2)]
+    big = [torch.full((256 << 10,), 9, dtype=torch.uint8) for _ in more]  # more than it holds
+    assert not any(b.set([PoolTransfer("kv", more, big)]).ok["kv"])
+    out = [torch.zeros(16 << 10, dtype=torch.uint8) for _ in keys]
+    assert b.get([PoolTransfer("kv", keys, out)]).all_ok, "the store was wiped for nothing"
+    b.close()

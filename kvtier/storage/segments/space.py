@@ -82,6 +82,8 @@ class Space:
         files = self.listing()
         used = sum(_accounted(f) for f in files.values())
         if cap is None:
+            if used < need:  # the disk is full of other files: wiping the store would not do
+                return False
             cap = used
         if used + need <= cap:
             return True

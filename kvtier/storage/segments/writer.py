@@ -505,7 +505,8 @@ class Writer:
         bounds = _shares(lengths, len(self._lanes))
         if len(bounds) == 2:  # one lane: its runs shared with the IO threads
             return self._lanes[0].append(keys, parts, lengths, time_ns, self._helpers)
-        now = time_ns or time.time_ns()
+        # One time for every lane, after what the store knows of the keys (Lane.append's rule).
+        now = time_ns or max(time.time_ns(), self._lanes[0]._after_known(keys))
         views = parts if isinstance(parts, PageViews) else None
         pool = self._pool()
         assert pool is not None  # lanes > 1 needs IO threads (the config checks it)
