@@ -196,6 +196,17 @@ def layer_trace(cache, run, prepare) -> None:
         cache.drain()
 
 
+def finish_host_hit(cache, req) -> None:
+    """Wait for a host hit's load (no forward), put back only its cached prefix, drain."""
+    for layer in range(len(cache.config.layer_kinds)):
+        cache.wait_layer(layer, [req])
+    sync()
+    cache.computed(req, req.cached_len)
+    req.token_ids = req.token_ids[: req.computed_len]
+    cache.cache_finished_req(req)
+    cache.drain()
+
+
 def profile_start(cache, tokens: list[int], n: int, prepare) -> None:
     """cProfile over what a host hit costs the CPU before the forward: match, reserve and
     start_loading (the loads are then waited for and the request finished, untimed)."""
@@ -211,13 +222,7 @@ def profile_start(cache, tokens: list[int], n: int, prepare) -> None:
         cache.reserve(req, n)
         cache.start_loading()
         prof.disable()
-        for layer in range(len(cache.config.layer_kinds)):
-            cache.wait_layer(layer, [req])
-        sync()
-        cache.computed(req, req.cached_len)
-        req.token_ids = req.token_ids[: req.computed_len]
-        cache.cache_finished_req(req)
-        cache.drain()
+        finish_host_hit(cache, req)
     rows = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     for key, title in ((2, "own"), (3, "cumulative")):
         print(f"profile-start: top functions by {title} time (us, calls)", flush=True)
@@ -305,13 +310,7 @@ def time_start(cache, tokens: list[int], n: int, prepare, reps: int = 5) -> None
         acc["= match"] = [t1 - t0, 1]
         acc["= reserve"] = [t2 - t1, 1]
         acc["= start_loading"] = [t3 - t2, 1]
-        for layer in range(len(cache.config.layer_kinds)):
-            cache.wait_layer(layer, [req])
-        sync()
-        cache.computed(req, req.cached_len)
-        req.token_ids = req.token_ids[: req.computed_len]
-        cache.cache_finished_req(req)
-        cache.drain()
+        finish_host_hit(cache, req)
         if rep:
             for k, (s, c) in acc.items():
                 rows.setdefault(k, []).append((s, c))

@@ -55,7 +55,7 @@ from kvtier.events.mirror import CLEARED, REMOVED, STORED, Mirror
 from kvtier.events.nodes import Lazy, NodeHashes, chunk_hashes
 from kvtier.events.publisher import Publisher
 from kvtier.events.thread import BATCH, JOIN_S, PublisherThread
-from kvtier.storage.keys import canonical_namespace, page_hashes
+from kvtier.storage.keys import page_hashes
 
 __all__ = ["EventSink"]
 
@@ -151,9 +151,7 @@ class EventSink:
             cfg.page_size,
             cfg.host_layout,
             None if cfg.rank_replicated else tp_size,
-            (
-                canonical_namespace(st.namespace_key if st is not None else "") + cfg.key_shape()
-            ).hex(),
+            cfg.key_salt(st.namespace_key if st is not None else "").hex(),
         )
         kv = cache.controller.bindings.get("kv")
         page_bytes = kv.bytes_per_index * cfg.page_size if kv is not None else 0
@@ -328,8 +326,7 @@ class EventSink:
         ``rekey``) and the pools that hold its FULL pages."""
         self.storage_pools = tuple(tier.kv_group)
         ns = tier.namespace(None)
-        salt = canonical_namespace(tier.st.namespace_key) + tier.cfg.key_shape()
-        self.rekey(salt.hex(), ns.tp_size)
+        self.rekey(tier.cfg.key_salt(tier.st.namespace_key).hex(), ns.tp_size)
 
     def rekey(self, salt: str, tp_size: int | None) -> None:
         """The instance's page keys are now seeded with ``salt`` and ``tp_size`` (L3 attached

@@ -75,9 +75,9 @@ class InstanceInfo(msgspec.Struct, omit_defaults=True, gc=False):
     """Who publishes, how its page keys are seeded, and what loading costs there.
 
     A subscriber hashes a prompt exactly as the instance does with ``model_id``, ``dtype``,
-    ``page_size``, ``layout``, ``tp_size`` (None for rank-replicated caches) and ``salt`` (hex: the
-    deployment salt's canonical encoding, then the cache's 16-byte ``CacheConfig.key_shape``), and the request's own namespace. ``page_bytes``
-    is the bytes of one FULL page over every layer; ``h2d_gbps`` and ``storage_gbps`` the
+    ``page_size``, ``layout``, ``tp_size`` (None for rank-replicated caches) and ``salt``
+    (``CacheConfig.key_salt``, hex: the deployment salt's canonical encoding, then the cache's
+    16-byte ``key_shape``), and the request's own namespace. ``page_bytes`` is the bytes of one FULL page over every layer; ``h2d_gbps`` and ``storage_gbps`` the
     measured (or assumed) host→device and storage-read rates, 0 when unknown.
     """
 

@@ -132,7 +132,6 @@ class TieredKVCache:
             config,
             parts.tree,
             self._inserts,
-            self.counters,
             parts.swa_pool is not None,
             parts.mamba_pool,
             parts.layer_map,

@@ -25,6 +25,7 @@ from kvtier.kernels.layout import HostLayout
 from kvtier.runtime.pools.indexer import INDEXER, indexer_spec
 from kvtier.runtime.pools.mamba import MambaStateSpec
 from kvtier.runtime.pools.sidecar import SidecarSpec
+from kvtier.storage.keys import canonical_namespace
 
 __all__ = [
     "FULL_POOLS",
@@ -541,6 +542,11 @@ class CacheConfig:
         if st is not None:  # how prefetch and backup decide, not where the store is
             parts.append(("storage", repr(dataclasses.replace(st, backend_config={}))))
         return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big") >> 2
+
+    def key_salt(self, namespace_key: str) -> bytes:
+        """What L3 page keys (and routers' prompt hashes) fold in beside the request's own
+        namespace: the deployment salt's canonical encoding, then ``key_shape``."""
+        return canonical_namespace(namespace_key) + self.key_shape()
 
     def key_shape(self) -> bytes:
         """16 bytes that L3 page keys fold in beside ``model_id``, dtype, page size and layout:

@@ -53,6 +53,11 @@ L3_COUNTERS = (
 )
 
 
+def _l3_keys(counters: Counter) -> list[str]:
+    """Every L3 counter's key: the known ones (at 0 until counted) and any other counted."""
+    return sorted(set(L3_COUNTERS).union(counters))
+
+
 @dataclass
 class CacheCounters:
     """Monotonic counters of the facade (tokens and events)."""
@@ -141,7 +146,7 @@ class CacheMetrics:
         out.update({f"tier.{k}": v for k, v in self.tiers.snapshot().items()})
         if self.l3_counters is not None:
             lc = self.l3_counters
-            out.update({f"l3.{k}": lc[k] for k in sorted(set(L3_COUNTERS).union(lc))})
+            out.update({f"l3.{k}": lc[k] for k in _l3_keys(lc)})
         return out
 
     def _families(self) -> list[tuple[str, str, str, list[tuple[dict[str, str], float]]]]:
@@ -254,7 +259,7 @@ class CacheMetrics:
                     "started, cut), storage changes.",
                     [
                         ({"event": k}, lc[k])
-                        for k in sorted(set(L3_COUNTERS).union(lc))
+                        for k in _l3_keys(lc)
                         if not k.startswith(("l3_decision_", "prefetch_revoked_"))
                         and k != "prefetched_tokens"
                     ],

@@ -21,7 +21,6 @@ import torch
 
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.inserts import RequestInserts
-from kvtier.runtime.metrics import CacheCounters
 from kvtier.runtime.request import Request
 from kvtier.runtime.tree.node import TreeNode
 
@@ -41,7 +40,6 @@ class RequestSlots:
         tree: the cache's tree; its allocators hold every slot.
         inserts: checkpoints a request's prompt pages into the tree before its SWA window
             slides past them (so that their SWA data stays cached).
-        counters: the facade's counters.
         swa: whether the model has SWA layers.
         mamba_pool: the device Mamba pool, or None without Mamba layers.
         layer_map: per model layer, its pool and pool-local layer.
@@ -55,7 +53,6 @@ class RequestSlots:
         config: CacheConfig,
         tree: UnifiedRadixTree,
         inserts: RequestInserts,
-        counters: CacheCounters,
         swa: bool,
         mamba_pool: MambaDevicePool | None,
         layer_map: list[tuple[str, int]],
@@ -65,7 +62,6 @@ class RequestSlots:
         self.tree = tree
         self.kv_alloc = tree.full.device_alloc
         self.inserts = inserts
-        self.counters = counters
         self.swa = swa
         self.mamba_pool = mamba_pool
         self.layer_map = layer_map

@@ -40,11 +40,7 @@ def namespace_for(cfg: CacheConfig, request_namespace: Hashable, tp_size: int) -
     """
     st = cfg.storage
     assert st is not None
-    joined = (
-        canonical_namespace(st.namespace_key)
-        + cfg.key_shape()
-        + canonical_namespace(request_namespace)
-    )
+    joined = cfg.key_salt(st.namespace_key) + canonical_namespace(request_namespace)
     return Namespace(
         model_id=cfg.model_id,
         dtype=str(cfg.dtype).removeprefix("torch."),

@@ -79,6 +79,27 @@ def gather(obj) -> list:
     return out
 
 
+def leave(rank: int, result: dict, out: str) -> None:
+    """Rank 0 saves ``result``; then leave without interpreter teardown, where gloo's and
+    Mooncake's C++ threads have aborted a finished rank now and then (SIGABRT, "terminate called
+    without an active exception") after its work was done."""
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def two_ranks(target) -> dict:
+    """``target(rank, init, root, out)`` on two spawned ranks; rank 0's result."""
+    with tempfile.TemporaryDirectory() as d:
+        init = f"file://{os.path.join(d, 'store')}"
+        out = os.path.join(d, "out.pt")
+        root = os.path.join(d, "l3")
+        mp.start_processes(target, args=(init, root, out), nprocs=2, start_method="spawn")
+        return torch.load(out)
+
+
 def _rank(rank: int, init: str, root: str, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -131,24 +152,12 @@ def _rank(rank: int, init: str, root: str, out: str) -> None:
     result["read"] = gather(tuple(m[k] for k in keys))
     result["page_bytes"] = sum(cache.l3.pools[n].page_bytes for n in ("kv", "indexer"))
     cache.close()
-    if rank == 0:
-        torch.save(result, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    # Results are saved and the group is gone: leave without interpreter teardown, where
-    # gloo's and Mooncake's C++ threads have aborted a finished rank now and then (SIGABRT,
-    # "terminate called without an active exception") after its work was done.
-    os._exit(0)
+    leave(rank, result, out)
 
 
 @pytest.mark.timeout(180)
 def test_mla_two_ranks_rank0_writes_both_read_identically():
-    with tempfile.TemporaryDirectory() as d:
-        init = f"file://{os.path.join(d, 'store')}"
-        out = os.path.join(d, "out.pt")
-        root = os.path.join(d, "l3")
-        mp.start_processes(_rank, args=(init, root, out), nprocs=2, start_method="spawn")
-        r = torch.load(out)
+    r = two_ranks(_rank)
 
     # Only rank 0 wrote, under rank-free keys, and nothing failed.
     (w0, f0), (w1, f1) = r["written"]
@@ -199,11 +208,7 @@ def _rank_rebackup(rank: int, init: str, root: str, out: str) -> None:
     result["stored"] = gather(len(cache.l3.stored_pages()))
     result["backups"] = gather(cache.metrics()["l3.backup_pages"])
     cache.close()
-    if rank == 0:
-        torch.save(result, out)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    leave(rank, result, out)
 
 
 @pytest.mark.timeout(180)
@@ -213,12 +218,7 @@ def test_backup_jobs_stay_in_step_when_only_rank0_writes():
     rank 1, which writes nothing, remembered none, queued a job rank 0 did not, and the FIFO
     acknowledgements fell out of step for good (host pins held, ``drain`` never ending; found in
     a TP trial)."""
-    with tempfile.TemporaryDirectory() as d:
-        init = f"file://{os.path.join(d, 'store')}"
-        out = os.path.join(d, "out.pt")
-        root = os.path.join(d, "l3")
-        mp.start_processes(_rank_rebackup, args=(init, root, out), nprocs=2, start_method="spawn")
-        r = torch.load(out)
+    r = two_ranks(_rank_rebackup)
     assert all(r["same"]), r["same"]
     assert all(q0 == q1 for q0, q1 in r["queued"]), r["queued"]
     s0, s1 = r["stored"]
