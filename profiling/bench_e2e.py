@@ -361,6 +361,20 @@ def main() -> None:
         "(default), or before its first kernel",
     )
     ap.add_argument(
+        "--no-hold",
+        action="store_true",
+        help="the issue worker enqueues its first steps as soon as the load starts, not at "
+        "the forward's first wait_layer (controller.hold_until_wait off)",
+    )
+    ap.add_argument(
+        "--order",
+        default="interleaved",
+        choices=("interleaved", "blocks"),
+        help="sample one run of each mode per repetition, rotating their order (default: a "
+        "drift of the GPU or host over the benchmark hits every mode alike), or every run of "
+        "one mode before the next (the order of earlier sessions' figures)",
+    )
+    ap.add_argument(
         "--time-start",
         action="store_true",
         help="also print wrapped-function wall times over a host hit's match + start_loading",
@@ -397,6 +411,7 @@ def main() -> None:
     )
     cache = TieredKVCache(cfg)
     cache.controller.load_ahead = args.load_ahead or None
+    cache.controller.hold_until_wait = not args.no_hold
     model = LlamaShaped(args.layers, dev)
     prompt = torch.randint(0, VOCAB, (args.prompt,), generator=torch.Generator().manual_seed(1))
     prefix = prompt[: args.cached].tolist()
@@ -464,26 +479,39 @@ def main() -> None:
         cache.computed(req, start)
         return req
 
-    results = {}
+    modes = ("overlap", "load_first", "transfer", "compute")
+    results: dict[str, list[float]] = {m: [] for m in modes}
     hits = {}
-    for mode in ("overlap", "load_first", "transfer", "compute"):
-        samples = []
-        for i in range(args.reps + 1):
-            prepare(mode)
-            sync()
-            t0 = time.perf_counter()
-            req = run("overlap" if mode == "compute" else mode)
-            sync()
-            dt = time.perf_counter() - t0
-            hits[mode] = (req.device_hit, req.host_hit)
-            req.token_ids = req.token_ids[: req.computed_len]
-            cache.cache_finished_req(req)
-            cache.drain()
-            if i:
-                samples.append(dt)
-        results[mode] = samples
+
+    def sample(mode: str) -> float:
+        prepare(mode)
+        sync()
+        t0 = time.perf_counter()
+        req = run("overlap" if mode == "compute" else mode)
+        sync()
+        dt = time.perf_counter() - t0
+        hits[mode] = (req.device_hit, req.host_hit)
+        req.token_ids = req.token_ids[: req.computed_len]
+        cache.cache_finished_req(req)
+        cache.drain()
+        return dt
+
+    if args.order == "blocks":  # every repetition of one mode, then the next mode
+        for mode in modes:
+            for i in range(args.reps + 1):
+                dt = sample(mode)
+                if i:
+                    results[mode].append(dt)
+    else:  # one of each mode per repetition, the order rotated: drift hits every mode alike
+        for mode in modes:
+            sample(mode)  # warm-up
+        for i in range(args.reps):
+            for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+                results[mode].append(sample(mode))
+    for mode in modes:
         print(
-            f"{mode:10s} median {median(samples) * 1e3:8.2f} ms  hits(device, host)={hits[mode]}",
+            f"{mode:10s} median {median(results[mode]) * 1e3:8.2f} ms  "
+            f"hits(device, host)={hits[mode]}",
             flush=True,
         )
 
@@ -515,12 +543,23 @@ def main() -> None:
 
     med = {k: median(v) for k, v in results.items()}
     bound = max(med["transfer"], med["compute"])
+    # Interleaved: each repetition's own ratio too (its modes ran back to back).
+    paired = (
+        [
+            o / max(t, c)
+            for o, t, c in zip(results["overlap"], results["transfer"], results["compute"])
+        ]
+        if args.order == "interleaved"
+        else []
+    )
     info = environment() | {
         "prompt": args.prompt,
         "cached": args.cached,
         "layers": args.layers,
         "knobs": repr(cfg.knobs),
         "wait_at": args.wait_at,
+        "order": args.order,
+        "hold_until_wait": not args.no_hold,
         "transfer_bytes": args.cached * cache.full_pool.bytes_per_token,
     }
     os.makedirs(args.out, exist_ok=True)
@@ -532,6 +571,7 @@ def main() -> None:
                 "medians": med,
                 "hits": hits,
                 "percentiles": {k: percentiles(v) for k, v in results.items()},
+                "paired_ratios": paired,
             },
             f,
             indent=1,
@@ -549,7 +589,7 @@ def main() -> None:
         (
             f"- Prompt {args.prompt} tokens, first {args.cached} cached on host only "
             f"({info['transfer_bytes'] / 2**20:.0f} MiB of K/V, page 16, host layout {args.host_layout}, io_backend {args.io_backend}); "
-            f"median of {args.reps} runs, wall clock from match to logits; each layer waits "
+            f"median of {args.reps} runs ({args.order} modes), wall clock from match to logits; each layer waits "
             f"for its load {'before reading its cached K/V' if args.wait_at == 'attention' else 'before its first kernel'} "
             f"(`--wait-at {args.wait_at}`)."
         ),
@@ -565,6 +605,15 @@ def main() -> None:
         (
             f"- Overlapped / max(pure transfer, pure compute) = {med['overlap'] * 1e3:.2f} / {bound * 1e3:.2f} ms "
             f"= {med['overlap'] / bound:.2f} (issue 12: ≤ 1.05)"
+        ),
+        *(
+            [
+                f"- Per repetition (modes back to back, order rotated): overlapped / max = "
+                f"median {median(paired):.3f}, range {min(paired):.3f}-{max(paired):.3f} "
+                f"over {len(paired)}"
+            ]
+            if paired
+            else []
         ),
         f"- Load-first / overlapped: {med['load_first'] / med['overlap']:.2f}",
         (

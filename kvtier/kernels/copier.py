@@ -35,6 +35,8 @@ from kvtier.kernels.copy_engine import (
     engine_support,
     layer_descriptors,
     memcpy_batch,
+    stream_handle,
+    upload_indices,
 )
 from kvtier.kernels.dispatch import (
     CROSSOVERS,
@@ -143,7 +145,7 @@ class HostCopier:
         not weighed) in this direction takes on the current stream."""
         legacy = False
         if self.dev.device.type == "cuda" and not self.engine_reason:
-            legacy = torch.cuda.current_stream(self.dev.device).cuda_stream == 0
+            legacy = stream_handle(self.dev.device) == 0
         return select_route(
             self.io_backend,
             kernel_path=self.kernel_path,
@@ -290,7 +292,7 @@ class HostCopier:
             return CopyPlan(route, d2h, nbytes, like.keep, _issue=like._issue)
         # Both index arrays in one upload (each ``.to`` costs ~35 us of CPU on an H100 host,
         # on the critical path of a load's lead layer).
-        both = torch.from_numpy(np.stack((d_items, h_items))).to(self.dev.device, non_blocking=True)
+        both = upload_indices((d_items, h_items), self.dev.device)
         d, h = both[0], both[1]
         dev, host, knobs = self.dev, self.host, self.knobs
 
@@ -327,7 +329,7 @@ class HostCopier:
             dsts, srcs, sizes, nbytes = group
             shown = layer if per_layer else None
             with nvtx_range(copy_range_name(d2h, "copy_engine", shown, layout, nbytes)):
-                memcpy_batch(dsts, srcs, sizes, _stream_handle(device))
+                memcpy_batch(dsts, srcs, sizes, stream_handle(device))
 
         return CopyPlan(route, d2h, total, [], descriptors=most, _issue=issue)
 
@@ -389,11 +391,6 @@ def _most(desc: Descriptors) -> int:
     return int(np.diff(desc.offsets).max()) if len(desc.offsets) > 1 else 0
 
 
-def _stream_handle(device: torch.device) -> int:
-    """The raw handle of the current stream on ``device`` (0, the legacy stream, off CUDA)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
 def _group(desc: Descriptors, g: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     src, dst, sizes = desc.group(g)
     return dst, src, sizes, int(sizes.sum())
@@ -411,15 +408,24 @@ class Ticket:
     """
 
     def __init__(
-        self, steps: int, done: int = 0, ahead: int | None = None, pace_s: float = 0.002
+        self,
+        steps: int,
+        done: int = 0,
+        ahead: int | None = None,
+        pace_s: float = 0.002,
+        hold: bool = False,
     ) -> None:
         self.steps = steps
         self._done = done
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._ahead = ahead
-        # As InlineSteps: the first step and ``ahead`` more before anyone waits.
-        self._allowed = steps if ahead is None else min(steps, max(done, 1) + ahead)
+        # As InlineSteps: the first step and ``ahead`` more before anyone waits; ``hold`` (a
+        # paced job): none past ``done`` until the first wait (or ``pace_s``).
+        if ahead is None:
+            self._allowed = steps
+        else:
+            self._allowed = min(steps, done if hold else max(done, 1) + ahead)
         self._pace_s = pace_s
 
     def unpace(self) -> None:
@@ -495,11 +501,13 @@ class IssueWorker:
         done: int = 0,
         ahead: int | None = None,
         pace_s: float = 0.002,
+        hold: bool = False,
     ) -> Ticket:
         """Run ``job(ticket)`` on the worker; it calls ``ticket.advance()`` after each of its
         ``steps - done`` steps (``done``: steps the caller enqueued itself, first), and with
-        ``ahead`` (a paced ticket) ``ticket.gate(i)`` before step ``i``."""
-        ticket = Ticket(steps, done, ahead, pace_s)
+        ``ahead`` (a paced ticket) ``ticket.gate(i)`` before step ``i``; ``hold``: a paced job
+        enqueues nothing past ``done`` before the first wait (see ``Ticket``)."""
+        ticket = Ticket(steps, done, ahead, pace_s, hold)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()

@@ -41,7 +41,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from kvtier.kernels.copy_engine import memcpy_2d, memcpy_batch
+from kvtier.kernels.copy_engine import memcpy_2d, memcpy_batch, stream_handle
 from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
 from kvtier.kernels.layout import DeviceBuffers, HostBuffer
 from kvtier.nvtx import copy_range_name, nvtx_range
@@ -410,7 +410,7 @@ class Stager:
                 todo: list[int | None] = [layer]
             else:
                 todo = [None] if group == L else list(range(L))
-            stream = _stream_handle(device)
+            stream = stream_handle(device)
             shown_bytes = nbytes // L if per_layer else nbytes
             with nvtx_range(copy_range_name(d2h, "staged", layer, layout, shown_bytes)):
                 for lay in todo:
@@ -427,8 +427,3 @@ class Stager:
             layer = 0 if group == 1 else None
             copy_device_to_host(self.dev, slot, skip, skip, layer=layer, knobs=self.knobs)
             copy_host_to_device(slot, self.dev, skip, skip, layer=layer, knobs=self.knobs)
-
-
-def _stream_handle(device: torch.device) -> int:
-    """The raw handle of the current stream on ``device`` (0 off CUDA)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

@@ -228,7 +228,12 @@ class TieredKVCache:
                     tree.unpin(req.pin)
                 req.pin = lock
                 req.kv_slots = tree.path_slots(node)
-                req.host_hit = req.kv_slots.numel() - req.device_hit
+                # The tokens whose KV is copied: a hybrid model's device path can hold KV
+                # without the state a hit needs (a Mamba state, an SWA window), and those
+                # tokens are served from the device, not loaded (a user trial: 8 device tokens
+                # counted as host hits).
+                req.host_hit = books.loaded_tokens
+                req.device_hit = req.kv_slots.numel() - req.host_hit
                 req.storage_hit = books.l3_tokens
                 req.cache_protected_len = req.kv_slots.numel()
                 self.counters.load_backs += 1

@@ -20,8 +20,10 @@ class Request(CacheRequest):
     """A request as the cache sees it (see :class:`CacheRequest` for the slot bookkeeping).
 
     Attributes:
-        device_hit: prompt tokens found on the device.
-        host_hit: prompt tokens loaded back from host.
+        device_hit: prompt tokens whose KV was found on the device.
+        host_hit: prompt tokens whose KV is loaded back from host. A token counts by its
+            full-attention KV: a hybrid model's SWA window and Mamba state, loaded with it or
+            alone, count in the copied bytes (``h2d_bytes``, L3 bytes read), not as tokens.
         storage_hit: of ``host_hit``, the tokens an L3 prefetch read for them, served here for the
             first time (a later hit of the same tokens is a device or host hit). The cache's
             per-tier hit counters split a request's hit into device, host (``host_hit -

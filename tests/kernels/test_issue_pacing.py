@@ -104,3 +104,51 @@ def test_a_job_queued_behind_a_paced_one_ends_its_pacing() -> None:
     assert second_done.wait(BOUND_S)
     assert [i for i, _ in first_log] == list(range(10))
     second.wait()
+
+
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_a_held_ticket_enqueues_nothing_before_the_first_wait(ahead: int) -> None:
+    """``hold``: the worker's first step waits for the forward pass's first wait (its launches
+    go first), then it runs ``ahead`` steps past each wait as a paced ticket does."""
+    steps, done = 8, 1
+    log: list[tuple[int, int]] = []
+    waited: list[bool] = []
+    finished, gating = threading.Event(), threading.Event()
+    ticket = Ticket(steps, done, ahead=ahead, pace_s=BOUND_S, hold=True)
+    assert ticket._allowed == done
+    gate = ticket.gate
+
+    def first_gate(step: int) -> bool:
+        gating.set()
+        return gate(step)
+
+    ticket.gate = first_gate  # type: ignore[method-assign]
+    threading.Thread(
+        target=_paced_job(log, finished, waited), args=(ticket, done), daemon=True
+    ).start()
+    assert gating.wait(BOUND_S)  # the job is at its first gate before the first wait
+    with ticket._cond:
+        assert ticket._done == done
+    for step in range(done, steps):
+        ticket.wait(step + 1)  # wait_layer(0) first: step 0 was the caller's
+        with ticket._cond:
+            assert ticket._done <= min(steps, step + 1 + ahead)
+    assert finished.wait(BOUND_S)
+    assert [i for i, _ in log] == list(range(done, steps))
+    assert all(i < allowed for i, allowed in log), log
+    assert waited[0]  # it was held: the first gate had to wait for the wait
+
+
+def test_an_unheld_ticket_does_not_wait_for_the_first_wait() -> None:
+    """The control of the test above: without ``hold`` the first gate passes at once."""
+    ticket = Ticket(8, 1, ahead=2, pace_s=BOUND_S)
+    assert not ticket.gate(1) and not ticket.gate(2)
+
+
+def test_a_held_ticket_nobody_waits_on_stops_holding() -> None:
+    finished = threading.Event()
+    log: list[tuple[int, int]] = []
+    ticket = Ticket(5, 1, ahead=2, pace_s=0.005, hold=True)
+    threading.Thread(target=_paced_job(log, finished), args=(ticket, 1), daemon=True).start()
+    assert finished.wait(BOUND_S)  # the first gate gives up after pace_s, then all at once
+    assert [a for _, a in log] == [5] * 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.runtime.config import CacheConfig
-from tests.runtime.synthetic import MODELS, SPEC, make_cache, run_turn
+from tests.runtime.synthetic import MODELS, SPEC, check_cached, forward, make_cache, run_turn
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
@@ -114,4 +114,40 @@ def test_failed_reserve_evicts_nothing_and_abort_releases_everything():
     evicted = cache.counters.evicted_tokens - before
     assert short > 0 and short <= evicted < short + 12, (short, evicted)  # whole nodes at most
     cache.abort(req)
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("model", ["full+mamba", "full+swa+mamba", "full+swa"])
+@pytest.mark.parametrize("when", ["next batch matched mid-forward", "wait before start_loading"])
+def test_a_wait_never_passes_a_queued_load(model, when):
+    """A host hit's load queued by ``match`` and not started yet: a ``wait_layer`` that covers
+    the request (the running batch's, whose default ``requests`` is every running request; or
+    the request's own before its ``start_loading``) starts it first. It used to return at once:
+    the matched Mamba state was copied from slots nothing had loaded (its pending copy used up,
+    so the state stayed wrong after the load landed) and SWA rows read stale bytes (a user
+    trial)."""
+    cache = make_cache(MODELS[model], "write_through", device_tokens=64)
+    conv = torch.randint(0, 50, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    run_turn(cache, conv)
+    cache.drain()
+    cache.evict(cache.config.device_tokens)
+    cache.poll()
+    layers = len(cache.config.layer_kinds)
+    running = None
+    if when == "next batch matched mid-forward":
+        running = cache.match(list(range(300, 310)))
+        cache.reserve(running, 16)
+        cache.start_loading()
+        running.token_ids = list(range(300, 310))
+        forward(cache, running, 8)
+    later = cache.match(conv + [7, 7, 7, 1])
+    assert later.host_hit > 0 and cache.controller._queued, "the test needs a queued load"
+    cache.reserve(later, len(later.token_ids) + 2)
+    for layer in range(layers):
+        cache.wait_layer(layer)  # every running request: the queued one too
+    check_cached(cache, later)  # right after the waits, as the forward reads
+    cache.start_loading()  # nothing is left to start: the bytes stay right
+    assert not cache.controller._queued
+    check_cached(cache, later)
+    cache.drain()
     cache.check_integrity()

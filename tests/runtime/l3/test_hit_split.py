@@ -68,3 +68,28 @@ def test_storage_hits_are_counted_when_served_and_once(tmp_path):
     cache.check_integrity()
     cache.close()
     backend.close()
+
+
+def test_device_kv_without_the_state_is_a_device_hit(tmp_path):
+    """A hybrid model's device path can hold KV without the Mamba state a hit needs: the hit
+    loads the rest and the state, and the tokens whose KV stayed on the device are device
+    hits (they were counted as loaded back from host; a user trial)."""
+    backend = create_backend("file", root=tmp_path)
+    prompt = list(range(200, 232))
+    producer = make_l3_cache("full+mamba", backend)
+    run_turn(producer, prompt)
+    producer.drain()
+    producer.close()
+
+    cache = make_l3_cache("full+mamba", backend)
+    run_turn(cache, prompt[:9])  # [0, 8) on the device, with its state at 8 only
+    cache.drain()
+    before = hits(cache)
+    pf = prefetch_to_end(cache, prompt + [1])
+    assert pf.outcome is PrefetchOutcome.COMPLETE and pf.loaded_tokens == 24, pf
+    req = run_turn(cache, prompt + [1])
+    assert (req.device_hit, req.host_hit, req.storage_hit) == (8, 24, 24), req
+    after = hits(cache)
+    assert {t: after[t] - before[t] for t in TIERS} == {"device": 8, "host": 0, "storage": 24}
+    cache.drain()
+    cache.check_integrity()
