@@ -361,10 +361,10 @@ def main() -> None:
         "(default), or before its first kernel",
     )
     ap.add_argument(
-        "--no-hold",
+        "--hold",
         action="store_true",
-        help="the issue worker enqueues its first steps as soon as the load starts, not at "
-        "the forward's first wait_layer (controller.hold_until_wait off)",
+        help="the issue worker enqueues no later step before the forward's first wait_layer "
+        "(controller.hold_until_wait)",
     )
     ap.add_argument(
         "--order",
@@ -411,7 +411,7 @@ def main() -> None:
     )
     cache = TieredKVCache(cfg)
     cache.controller.load_ahead = args.load_ahead or None
-    cache.controller.hold_until_wait = not args.no_hold
+    cache.controller.hold_until_wait = args.hold
     model = LlamaShaped(args.layers, dev)
     prompt = torch.randint(0, VOCAB, (args.prompt,), generator=torch.Generator().manual_seed(1))
     prefix = prompt[: args.cached].tolist()
@@ -559,7 +559,7 @@ def main() -> None:
         "knobs": repr(cfg.knobs),
         "wait_at": args.wait_at,
         "order": args.order,
-        "hold_until_wait": not args.no_hold,
+        "hold_until_wait": args.hold,
         "transfer_bytes": args.cached * cache.full_pool.bytes_per_token,
     }
     os.makedirs(args.out, exist_ok=True)

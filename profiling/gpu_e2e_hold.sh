@@ -1,5 +1,5 @@
 #!/bin/bash
-# bench_e2e on one GPU: hold on (the default) and off alternated, modes interleaved; then the
+# bench_e2e on one GPU: hold off (the default) and on alternated, modes interleaved; then the
 # main thread's CPU before the forward (--time-start), page_first, and the GPU tests of the load
 # paths. Device tool: `bash profiling/gpu_e2e_hold.sh` (writes logs under $OUT).
 set -u
@@ -13,11 +13,11 @@ run() { local tag=$1; shift; local t0=$(date +%s)
   grep -E "^(overlap|compute|transfer) |Overlapped /|Per repetition" $OUT/$tag.log | sed "s/^/$tag: /"
   echo "$tag: $(( $(date +%s) - t0 )) s"; }
 run new1
-run nohold1 --no-hold
-run nohold2 --no-hold
+run hold1 --hold
+run hold2 --hold
 run new2
 run new3
-run nohold3 --no-hold
+run hold3 --hold
 run ts --time-start
 grep -A25 "time-start:" $OUT/ts.log
 run pf --host-layout page_first

@@ -300,11 +300,11 @@ class CacheController:
         # The worker enqueues a load's step at most this many steps ahead of the forward pass's
         # latest wait_layer (Ticket pacing; None: every step at once).
         self.load_ahead: int | None = 2
-        # The worker enqueues none of a load's later steps before the forward pass's first
-        # wait_layer (or 2 ms): its enqueueing then does not slow the forward's first launches
-        # (H100, bench_e2e layer_first, alternated runs: overlapped 42.1-43.2 ms against
-        # 43.3-43.4 without it, the forward alone 39.9-40.7).
-        self.hold_until_wait = True
+        # True: the worker enqueues none of a load's later steps before the forward pass's
+        # first wait_layer (or 2 ms), so that its enqueueing leaves the forward's first
+        # launches alone. Off: measured better in one H100 call of three and equal in two
+        # (profiling/results/bench_e2e_paths.md, tenth session); ``bench_e2e --hold``.
+        self.hold_until_wait = False
 
     def bind_backup_done(
         self, on_backup_done: Callable[[Backup, torch.cuda.Event | None], None] | None
