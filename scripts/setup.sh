@@ -8,7 +8,16 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
-  "$PY" -m pip install -q "torch==2.13.0"
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    "$PY" -m pip install -q "torch==2.13.0"  # a GPU host: PyPI's torch is the CUDA build
+  else
+    # No GPU: the CPU build by its local version, so that no CUDA wheel can be chosen (a plain
+    # "torch==2.13.0" resolves to the CUDA build and a dozen nvidia-* wheels on PyPI). From the
+    # configured indexes first (a local wheel house), else from PyTorch's CPU index.
+    "$PY" -m pip install -q "torch==2.13.0+cpu" ||
+      "$PY" -m pip install -q "torch==2.13.0+cpu" \
+        --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple
+  fi
 fi
 
 if [ "${1:-}" = "--test" ]; then

@@ -34,7 +34,10 @@ boundary, and the finished request caches the state of its last page boundary.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
@@ -139,26 +142,10 @@ class TieredKVCache:
         )
         self.requests: dict[int, Request] = {}
         self._closed = False
-        self.events = self._start_events(events, tp_group)
+        self.events = _start_events(self, events, tp_group)
+        _OPEN.add(self)  # closed at interpreter exit if still open (see _close_open)
         if self.device.type == "cuda":
             self.warmup()
-
-    def _start_events(self, events: EventsConfig | None, tp_group):
-        """The KV-event sink (rank 0 only: every rank's tree changes alike), or None. A bind
-        that fails (endpoint in use) stops what was started and raises ``ValueError``."""
-        try:
-            if events is not None and not isinstance(events, EventsConfig):
-                raise TypeError(f"events: expected an EventsConfig or None, got {events!r}")
-            rank, size = rank_and_size(tp_group)
-            if events is None or rank != 0:
-                return None
-            from kvtier.events.sink import EventSink  # pyzmq and msgspec: only when events are on
-
-            return EventSink.for_cache(self, events, size)
-        except BaseException:
-            self.events = None
-            self.close()  # stops the L3 threads already started
-            raise
 
     def warmup(self) -> None:
         """Compile every copy-kernel variant the cache issues while serving: the backup of each
@@ -390,7 +377,9 @@ class TieredKVCache:
         """Call before layer ``layer`` reads the cache: waits for its loads, copies Mamba states.
 
         ``layer`` is a model layer in ``[0, len(layer_kinds))``; ``requests`` are the running
-        requests of this forward pass (default: every running request).
+        requests of this forward pass (default: every running request). Loads that ``match``
+        queued and no ``start_loading`` started yet are started first (see
+        ``CacheController.wait_layer``).
         """
         n = len(self.layer_map)
         if type(layer) is not int:
@@ -597,3 +586,37 @@ def _check_count(n: int, arg: str) -> None:
         raise TypeError(f"{arg}: expected an int, got {n!r}")
     if n < 0:
         raise ValueError(f"{arg}: must be >= 0, got {n}")
+
+
+def _start_events(cache: TieredKVCache, events: EventsConfig | None, tp_group):
+    """The KV-event sink of ``cache`` (rank 0 only: every rank's tree changes alike), or None.
+    A bind that fails (endpoint in use) stops what the cache started and raises ``ValueError``."""
+    try:
+        if events is not None and not isinstance(events, EventsConfig):
+            raise TypeError(f"events: expected an EventsConfig or None, got {events!r}")
+        rank, size = rank_and_size(tp_group)
+        if events is None or rank != 0:
+            return None
+        from kvtier.events.sink import EventSink  # pyzmq and msgspec: only when events are on
+
+        return EventSink.for_cache(cache, events, size)
+    except BaseException:
+        cache.events = None
+        cache.close()  # stops the L3 threads already started
+        raise
+
+
+_OPEN: weakref.WeakSet[TieredKVCache] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open() -> None:
+    """Close every cache still open when the interpreter exits: its L3 threads (daemons) would
+    otherwise be stopped in the middle of a torch call, which aborts the process (a user trial:
+    an embedding that never called ``close()`` died with SIGABRT, "terminate called without an
+    active exception", after real L3 traffic)."""
+    for cache in list(_OPEN):
+        try:
+            cache.close()
+        except Exception:  # one cache's failure must not keep the others open
+            logging.getLogger(__name__).exception("kvtier: closing a cache at exit failed")

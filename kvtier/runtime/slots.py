@@ -126,7 +126,8 @@ class RequestSlots:
                     raise RuntimeError(
                         f"device SWA pool exhausted: {pages.numel()} SWA slots needed for "
                         f"positions [{req.computed_len}, {end}), {a.swa_available_size()} free, "
-                        f"{evictable} evictable"
+                        f"{evictable} evictable (pinned by running requests, or by loads and "
+                        f"backups in flight, which poll() releases once they land)"
                     )
                 self._evict(0, short)
                 if not a.alloc_swa_for(pages):
