@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvtier.kernels import HostLayout, TransferKnobs
 from kvtier.runtime.cache import Request, TieredKVCache
-from kvtier.runtime.config import CacheConfig
+from kvtier.runtime.config import CacheConfig, KVTierConfigWarning, StorageConfig
 from kvtier.runtime.pools.device import MHADevicePool, MLADevicePool
 from kvtier.runtime.pools.host import HostPool
 from kvtier.runtime.pools.indexer import IndexerDevicePool
@@ -23,6 +23,7 @@ __all__ = [
     "HostLayout",
     "HostPool",
     "IndexerDevicePool",
+    "KVTierConfigWarning",
     "MHADevicePool",
     "MLADevicePool",
     "MambaDevicePool",
@@ -30,6 +31,7 @@ __all__ = [
     "MambaStateSpec",
     "Request",
     "SidecarSpec",
+    "StorageConfig",
     "TieredKVCache",
     "TransferKnobs",
 ]

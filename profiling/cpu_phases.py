@@ -101,7 +101,7 @@ def report() -> None:
 def main() -> None:
     install()
     atexit.register(report)
-    sys.argv = ["bench_e2e", *sys.argv[1:]]
+    sys.argv = ["profiling.cpu_phases (bench_e2e's arguments)", *sys.argv[1:]]
     bench_e2e.main()
 
 

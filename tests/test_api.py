@@ -12,6 +12,7 @@ def test_top_level_api():
         "HostLayout",
         "HostPool",
         "IndexerDevicePool",
+        "KVTierConfigWarning",
         "MHADevicePool",
         "MLADevicePool",
         "MambaDevicePool",
@@ -19,6 +20,7 @@ def test_top_level_api():
         "MambaStateSpec",
         "Request",
         "SidecarSpec",
+        "StorageConfig",
         "TieredKVCache",
         "TransferKnobs",
     ]

@@ -25,6 +25,7 @@ from kvtier.kernels.layout import HostLayout
 from kvtier.runtime.pools.indexer import INDEXER, indexer_spec
 from kvtier.runtime.pools.mamba import MambaStateSpec
 from kvtier.runtime.pools.sidecar import SidecarSpec
+from kvtier.storage.base import backend_config
 from kvtier.storage.keys import canonical_namespace
 
 __all__ = [
@@ -168,6 +169,9 @@ class StorageConfig:
         if not self.backend:
             raise ValueError(f"backend: expected a registered backend name, got {self.backend!r}")
         _typed(self, "backend_config", Mapping, "a mapping of backend Config arguments")
+        # The backend's name, keys and values now, not in TieredKVCache (required keys only
+        # there: a cache can be given its backend built, with no backend_config).
+        backend_config(self.backend, self.backend_config, complete=False)
         _typed(self, "namespace_key", str, "a str")
         _typed(self, "prefetch_policy", str, f"one of {PREFETCH_POLICIES}")
         if self.prefetch_policy not in PREFETCH_POLICIES:

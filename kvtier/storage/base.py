@@ -18,13 +18,14 @@ call (a bad pool name, ``keys`` given as one string, mismatched page buffers) ra
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
@@ -558,6 +559,50 @@ def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def _backend_class(name: str) -> type[StorageBackend]:
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"backend: unknown storage backend {name!r}; choose one of {available_backends()}"
+        ) from None
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    return target
+
+
+def backend_config(name: str, config: Mapping[str, Any], *, complete: bool = True) -> Any:
+    """Backend ``name``'s ``Config`` built from ``config`` (``create_backend``'s keyword
+    arguments), with errors that name ``backend`` or ``backend_config``: an unknown backend, a
+    key the backend does not take, a required key missing, a value its ``Config`` refuses.
+    ``complete=False`` checks only the keys given (a config whose backend may come built, as
+    ``TieredKVCache(..., storage_backend=)``) and returns None when required keys are missing."""
+    cls = _backend_class(name).Config  # type: ignore[attr-defined]
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    names = {f.name for f in fields}
+    unknown = sorted(set(config) - names)
+    if unknown:
+        raise TypeError(
+            f"backend_config: {', '.join(map(repr, unknown))} is not a setting of the {name!r} "
+            f"backend; its settings: {sorted(names)}"
+        )
+    required = [
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [k for k in required if k not in config]
+    if missing:
+        if not complete:
+            return None
+        raise TypeError(f"backend_config: the {name!r} backend needs {', '.join(missing)}")
+    try:
+        return cls(**config)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"backend_config: {e}") from None
+
+
 def create_backend(
     name: str,
     *,
@@ -565,15 +610,7 @@ def create_backend(
     metrics: TierMetrics | None = None,
     **config: Any,
 ) -> StorageBackend:
-    """Build backend ``name``; ``config`` goes to its ``Config`` dataclass, which validates it."""
-    try:
-        target = _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown storage backend {name!r}; choose one of {available_backends()}"
-        ) from None
-    if isinstance(target, str):
-        module, _, attr = target.partition(":")
-        target = getattr(importlib.import_module(module), attr)
-    cfg = target.Config(**config)  # type: ignore[attr-defined]
-    return target(cfg, scope=scope, metrics=metrics)
+    """Build backend ``name``; ``config`` goes to its ``Config`` dataclass, which validates it
+    (``backend_config``)."""
+    cfg = backend_config(name, config)
+    return _backend_class(name)(cfg, scope=scope, metrics=metrics)

@@ -180,6 +180,27 @@ STORAGE_CASES = [
     ("retries-neg", {"backup_retries": -1}, ValueError, "backup_retries .*-1"),
     ("batch_pages-float", {"batch_pages": 2.0}, TypeError, "batch_pages: .*2.0"),
     ("batch_pages-zero", {"batch_pages": 0}, ValueError, "batch_pages .*0"),
+    # The backend's name, keys and values on construction, not inside TieredKVCache (a user
+    # trial: all three were accepted, and the cache's errors did not name backend_config).
+    ("backend-unknown", {"backend": "bogus"}, ValueError, "backend: .*'bogus'.*'file'"),
+    (
+        "backend_config-unknown-key",
+        {"backend_config": {"root": "/x", "capacity": 5}},
+        TypeError,
+        "backend_config: 'capacity' is not a setting of the 'file' backend.*capacity_bytes",
+    ),
+    (
+        "backend_config-bad-value",
+        {"backend_config": {"root": "/x", "capacity_bytes": -1}},
+        ValueError,
+        "backend_config: capacity_bytes .*-1",
+    ),
+    (
+        "backend_config-mooncake-key",
+        {"backend": "mooncake", "backend_config": {"root": "/x"}},
+        TypeError,
+        "backend_config: 'root' is not a setting of the 'mooncake' backend",
+    ),
 ]
 
 
@@ -324,3 +345,18 @@ def test_no_warning_when_l3_can_serve(overrides: dict) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", KVTierConfigWarning)
         _l3_config(**overrides)
+
+
+def test_a_backend_config_without_its_required_keys_fails_in_the_cache_by_name() -> None:
+    """``backend_config`` may leave out what the backend needs (``root``): the cache may be
+    given its backend built (``storage_backend=``); building it from the config then names
+    the missing key."""
+    from kvtier.runtime.cache import TieredKVCache
+
+    st = StorageConfig()  # the file backend, no root: accepted here
+    cfg = CacheConfig(
+        layer_kinds=("full",), kv_heads=1, head_dim=4, page_size=4, device_tokens=32,
+        host_ratio=2.0, storage=st, model_id="m",
+    )  # fmt: skip
+    with pytest.raises(TypeError, match="backend_config: the 'file' backend needs root"):
+        TieredKVCache(cfg)
