@@ -11,7 +11,9 @@ writer's ``events`` are None when events are off, and each hook is guarded by th
     backup_done          HostTier.finish_backup               the D→H copy was acknowledged
     host_grafted         HostTier.graft_host                  pages read from L3 are on host
     host_removed         tree.clear_host (FULL)               host slots freed
-    storage_stored       the L3 writer thread                 the store acknowledged the write
+    storage_stored       the scheduler thread (poll)          a backup job is acknowledged: its
+                                                              pages reached the store (under TP:
+                                                              every rank's part of the job)
 
 The work is split three ways:
 
@@ -186,7 +188,7 @@ class EventSink:
         self.drain()
         return set(self.mirror.held[medium])
 
-    # -- hooks (scheduler thread, but storage_stored) ------------------------------------------
+    # -- hooks (scheduler thread) ---------------------------------------------------------------
 
     def device_stored(self, node) -> None:
         chunk = self.nodes.leaf(node)
@@ -243,8 +245,8 @@ class EventSink:
         self._ops.append((REMOVED, MEDIUM_HOST, self.nodes.of(node) if hashes is None else hashes))
 
     def storage_stored(self, stored) -> None:
-        """``(pool, hash)`` pairs written to L3 (called from the writer thread once its job is
-        done: a deque append is atomic, and the pairs are resolved on the publisher thread)."""
+        """``(pool, hash)`` pairs written to L3 (called by the L3 tier when it acknowledges the
+        job; a deque append, resolved on the publisher thread)."""
         self._written.append((self.storage_pools, stored))
 
     def cleared(self, medium: str | None = None) -> None:

@@ -111,6 +111,7 @@ class TieredKVCache:
         self.host_swa = parts.host_swa
         self.host_mamba = parts.host_mamba
         self.tree = parts.tree
+        self.tree.retention.restamp_at_poll = tp_group is not None  # see Retention
         self.kv_alloc = parts.tree.full.device_alloc
         self.controller = parts.controller
         self.layer_map = parts.layer_map
@@ -287,6 +288,7 @@ class TieredKVCache:
         """Release a retention pin; its prefix becomes ordinary cache. Refuses another cache's
         handle and one already released (unpinned, expired or dropped)."""
         self.tree.retention.unpin(handle)
+        self._storage.book_calls += 1
 
     # -- L3 prefetch ---------------------------------------------------------------------------
 
@@ -401,7 +403,7 @@ class TieredKVCache:
         ``begin_step``. Raises ``RuntimeError``, taking nothing, when room cannot be made (see
         ``RequestSlots._make_room``: pages it evicted before finding that out stay on host).
         """
-        self._check_request(req)
+        self._check_request(req, change=True)
         _check_count(total_tokens, "total_tokens")
         return self._slots.reserve(req, total_tokens)
 
@@ -416,7 +418,7 @@ class TieredKVCache:
         beyond the reserved slots, and ``RuntimeError`` (taking nothing) if the SWA pool cannot
         hold the step.
         """
-        self._check_request(req)
+        self._check_request(req, change=True)
         return self._slots.begin_step(req, end)
 
     def swa_slots(self, req: Request) -> torch.Tensor | None:
@@ -432,15 +434,16 @@ class TieredKVCache:
         reads are freed, and at a page boundary the request's Mamba state is checkpointed, so
         that it can be cached.
         """
-        self._check_request(req)
+        self._check_request(req, change=True)
         self._slots.computed(req, n_tokens)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("cache: closed by close(); make a new TieredKVCache")
 
-    def _check_request(self, req: Request) -> None:
-        """Refuse a request that is not one of this cache's running requests."""
+    def _check_request(self, req: Request, change: bool = False) -> None:
+        """Refuse a request that is not one of this cache's running requests; ``change``: a
+        call that changes the books (counted: TP ranks compare the counts at each poll)."""
         self._check_open()
         if not isinstance(req, Request):
             raise TypeError(f"req: expected a Request from match(), got {type(req).__name__}")
@@ -451,6 +454,7 @@ class TieredKVCache:
             )
         if self.requests.get(id(req)) is not req:
             raise ValueError("req: the request was not matched by this cache (another cache's?)")
+        self._storage.book_calls += change
 
     # -- caching requests ------------------------------------------------------------------
 
@@ -460,7 +464,7 @@ class TieredKVCache:
         ``req.token_ids`` must name at least the ``computed_len`` computed positions (the prompt
         and every generated token fed back); the tree keeps their whole pages.
         """
-        self._check_request(req)
+        self._check_request(req, change=True)
         self._inserts.finish(req)
         self.requests.pop(id(req), None)
         req.released = "finished"
@@ -469,7 +473,7 @@ class TieredKVCache:
     def abort(self, req: Request) -> None:
         """Release everything a request holds without caching it (an aborted or failed request):
         its own slots, Mamba slots, and the pin on its cached prefix."""
-        self._check_request(req)
+        self._check_request(req, change=True)
         if req.mamba_ckpt is not None:
             self.tree.mamba.device_alloc.free(req.mamba_ckpt)
             req.mamba_ckpt = None
@@ -480,7 +484,7 @@ class TieredKVCache:
 
     def cache_unfinished_req(self, req: Request) -> None:
         """Checkpoint a running request's full pages into the tree (chunked prefill, decode)."""
-        self._check_request(req)
+        self._check_request(req, change=True)
         self._inserts.checkpoint(req)
 
     # -- per step ----------------------------------------------------------------------------
@@ -504,6 +508,7 @@ class TieredKVCache:
     def evict(self, tokens: int) -> int:
         """Free at least ``tokens`` FULL device slots if possible; returns tokens freed."""
         _check_count(tokens, "tokens")
+        self._storage.book_calls += 1
         with nvtx_range(f"kvtier.evict {tokens} tokens"):
             return self.tree.evict(full=tokens).full
 

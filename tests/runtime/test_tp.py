@@ -197,3 +197,97 @@ def test_ranks_with_other_configs_raise_at_the_first_poll():
     # Where the pools live and how copies run do not change the books.
     assert tp_config().books_digest() == tp_config(io_backend="kernel").books_digest()
     assert tp_config().books_digest() != tp_config(2.0).books_digest()
+
+
+def _idle_pin_rank(rank: int, init: str, out: str) -> None:
+    _join(rank, init)
+    now = [0.0]
+    cache = TieredKVCache(tp_config(), tp_group=dist.group.WORLD, clock=lambda: now[0])
+    sys_prompt = list(range(100, 116))
+
+    def turn(tokens: list[int]) -> None:
+        req = cache.match(tokens)
+        cache.reserve(req, len(tokens) + 2)
+        cache.start_loading()
+        req.token_ids = tokens + [1, 1]
+        forward(cache, req, len(tokens) + 2)
+        cache.cache_finished_req(req)
+
+    got = []
+    cache.poll()
+    now[0] = 1.0
+    cache.poll()
+    now[0] = 600.0  # ten idle minutes: no requests, no polls
+    turn(sys_prompt + [1, 2, 3])
+    h = cache.pin(sys_prompt, ttl_s=120.0)
+    now[0] = 600.5
+    cache.poll()  # the next step: the pin lives 120 s from this poll's agreed time
+    got.append((h.released, h.expires_at))
+    now[0] = 700.0
+    cache.poll()
+    now[0] = 1000.0  # idle again, past the TTL; then a hit on the pinned prefix refreshes it
+    req = cache.match(sys_prompt + [9, 9, 9])
+    cache.abort(req)
+    now[0] = 1000.25
+    cache.poll()
+    got.append((h.released, h.expires_at))
+    now[0] = 1121.0
+    cache.poll()
+    got.append((h.released, h.expires_at))
+    cache.check_integrity()
+    _leave(rank, got, out)
+
+
+@pytest.mark.timeout(240)
+def test_a_pin_after_an_idle_spell_lives_its_ttl_under_tp():
+    """Under TP retention time is agreed at each poll, so between polls ``now`` is the last
+    poll's: a pin taken (or refreshed by a hit) after an idle spell with no polls got an expiry
+    in the past and was released at the very next poll (a TP trial). Such pins expire ``ttl_s``
+    after the next poll's agreed time instead, on every rank alike."""
+    got = two_ranks(_idle_pin_rank)
+    assert got[0] == got[1], got
+    assert got[0] == [("", 720.5), ("", 1120.25), ("expired", 1120.25)], got[0]
+
+
+def _one_sided_rank(rank: int, init: str, which: str, out: str) -> None:
+    _join(rank, init)
+    cache = TieredKVCache(tp_config(), tp_group=dist.group.WORLD)
+    tokens = list(range(40, 56))
+    req = cache.match(tokens)
+    cache.reserve(req, len(tokens) + 2)
+    cache.start_loading()
+    req.token_ids = tokens + [1, 1]
+    forward(cache, req, len(tokens) + 2)
+    cache.cache_finished_req(req)
+    cache.poll()
+    h = cache.pin(tokens, ttl_s=100.0)
+    cache.poll()
+    if rank == 1:  # a call made on this rank only
+        if which == "unpin":
+            cache.unpin(h)
+        elif which == "evict":
+            cache.evict(8)
+        else:
+            req = cache.match(tokens + [9])
+            cache.abort(req)
+            cache.match(tokens + [9])  # the same count of matches as rank 0, one more abort
+    else:
+        if which == "abort":
+            cache.match(tokens + [9])
+            cache.match(tokens + [9])
+    error = ""
+    try:
+        cache.poll()
+    except RuntimeError as e:
+        error = str(e)
+    _leave(rank, error, out)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("which", ["unpin", "evict", "abort"])
+def test_a_call_made_on_one_rank_only_is_found_at_the_next_poll(which):
+    """An unpin, an evict or an abort made on one rank only changed its books with no error,
+    and the ranks' trees stayed apart (a TP trial): such calls are counted in the poll's
+    control header too, and every rank raises at the next poll."""
+    errors = two_ranks(_one_sided_rank, which)
+    assert all("TP ranks out of step" in e for e in errors), errors

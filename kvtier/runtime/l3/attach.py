@@ -142,6 +142,11 @@ class StorageSwitch:
         self.pending: StorageChange | None = None  # this rank's request, not yet agreed
         self._applied = 0  # changes agreed so far: equal on every rank
         self._polls = 0  # polls so far (named when the ranks are found out of step)
+        # The facade's book-changing calls not counted elsewhere (reserve, begin_step,
+        # computed, finish, abort, checkpoint, unpin, evict): in the poll's call count, so that
+        # one made on one rank only is found at the next poll (a TP trial: an unpin or evict
+        # on one rank left the trees apart with no error).
+        self.book_calls = 0
         self._config_digest = config.books_digest()
         self._detach: StorageChange | None = None
         self._deadline_ms = 0
@@ -217,7 +222,7 @@ class StorageSwitch:
         ch = self.pending
         self._polls += 1
         c, s = self.metrics.counters, self.controller.stats
-        calls = c.requests + c.retention_pins + s.backups + s.loads
+        calls = c.requests + c.retention_pins + s.backups + s.loads + self.book_calls
         control = Control(
             self._applied + (ch is not None),
             int(ch.kind) if ch else 0,
@@ -247,8 +252,9 @@ class StorageSwitch:
                 # drifting apart silently (found in a TP trial).
                 raise RuntimeError(
                     f"TP ranks out of step at poll {self._polls}: {c.calls}..{-c.neg_calls} "
-                    f"calls that change the cache (requests matched, copies issued, retention "
-                    f"pins), config digests {c.config}..{-c.neg_config}. Every rank must use "
+                    f"calls that change the cache (requests matched, reserved, stepped, "
+                    f"finished or aborted, copies issued, retention pins and unpins, "
+                    f"evictions), config digests {c.config}..{-c.neg_config}. Every rank must use "
                     f"the same CacheConfig, make the same calls in the same order and poll() "
                     f"once per step (a call refused or skipped on one rank only, or an extra "
                     f"poll)"

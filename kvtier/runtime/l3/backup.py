@@ -78,7 +78,8 @@ class BackupWriter:
         self.retries = retries
         self.metrics = metrics
         self.writes = writes
-        self.events = None  # a kvtier.events sink: told which pages reached the store
+        self.events = None  # a kvtier.events sink: told which pages reached the store (by
+        # the tier, when it acknowledges the job: L3Tier._finish_backup)
         # Set by a forced detach: jobs not started are finished unwritten, a job in progress
         # stops at its next batch (pages are never torn: a batch in progress completes).
         self.cancel = threading.Event()
@@ -115,8 +116,6 @@ class BackupWriter:
                 job.failed_pages = job.num_pages - len(job.stored)
             if job.failed_pages:
                 self.metrics.add_backup_failure(job.failed_pages)
-            if self.events is not None and job.stored:
-                self.events.storage_stored(job.stored)
             job.done.set()
 
     def _write(self, job: BackupJob) -> None:

@@ -253,7 +253,16 @@ class L3Tier:
         for pool, (hashes, _) in job.pages.items():
             for h in hashes:
                 self._pending.discard((pool, h))
-        if id(job) in self._unrecorded:  # a clear ran while it was written: nothing is known
+        unrecorded = id(job) in self._unrecorded
+        events = self.writer.events
+        if events is not None and job.stored and not unrecorded:
+            # Routers learn of pages in storage here, not from the writer thread: under TP
+            # only once every rank stored its part of the job (rank 0 announced its own
+            # shard's pages while another rank's writes failed: a router then sent requests
+            # for prefixes no rank could read back; a TP trial). One rank: what it stored.
+            if stored or self.tp_group is None:
+                events.storage_stored(job.stored)
+        if unrecorded:  # a clear ran while it was written: nothing is known
             self._unrecorded.discard(id(job))
         elif stored:
             for pool, (hashes, _) in job.pages.items():

@@ -70,8 +70,10 @@ class RetentionClock:
     differ (origin, rate, when each reads it), and a pin expiring on one rank a step before
     another would make the trees diverge. So each rank reports the milliseconds since its cache
     was built (``local_ms``, a slot of the poll vector); the least over ranks is agreed in every
-    ``poll`` (``agree``), and ``now`` is that value, in seconds, on every rank: pins taken and
-    refreshed between two polls use the last agreed value (one scheduler step late at most).
+    ``poll`` (``agree``), and ``now`` is that value, in seconds, on every rank. Pins taken and
+    refreshed between two polls read the last agreed value, which lags by however long the
+    scheduler went without a poll; they are stamped again from the next poll's value before
+    anything expires (``Retention.restamp_at_poll``).
     """
 
     def __init__(self, clock: Callable[[], float], agreed: bool) -> None:
@@ -192,6 +194,13 @@ class Retention:
         self.tree = tree
         self.handles: dict[int, RetentionHandle] = {}  # live pins, oldest first
         self._anchored: dict[TreeNode, list[RetentionHandle]] = {}
+        # Under an agreed clock (TP) ``now`` between two polls is the last poll's: after an
+        # idle spell (no polls) it lags by the spell. Pins taken or refreshed since the last
+        # poll are then stamped again from the next poll's agreed time (``expire``), before
+        # anything expires: a pin taken after ten idle minutes expired at the next poll (a TP
+        # trial). Every rank makes the same calls, so every rank stamps the same pins.
+        self.restamp_at_poll = False
+        self._fresh: dict[int, RetentionHandle] = {}
 
     # -- books ---------------------------------------------------------------------------------
 
@@ -322,6 +331,8 @@ class Retention:
         for h in drop:
             self._forget(h, "dropped")
         handle = RetentionHandle(self, node, priority, namespace, ttl_s, now + ttl_s)
+        if self.restamp_at_poll:
+            self._fresh[handle.id] = handle
         self.handles[handle.id] = handle
         self._anchored.setdefault(node, []).append(handle)
         self._remark(before)
@@ -354,7 +365,14 @@ class Retention:
         handle.released = why
 
     def expire(self, now: float) -> list[RetentionHandle]:
-        """Release every pin whose expiry is at or before ``now``; returns them."""
+        """Release every pin whose expiry is at or before ``now``; returns them. Under
+        ``restamp_at_poll`` (the poll's agreed time), pins taken or refreshed since the last
+        call first expire ``ttl_s`` from ``now``."""
+        if self._fresh:
+            for h in self._fresh.values():
+                if not h.released:
+                    h.expires_at = now + h.ttl_s
+            self._fresh.clear()
         if not self.handles:
             return []
         gone = [h for h in self.handles.values() if h.expires_at <= now]
@@ -376,6 +394,8 @@ class Retention:
                 if now is None:
                     now = clock()
                 h.expires_at = now + h.ttl_s
+                if self.restamp_at_poll:
+                    self._fresh[h.id] = h
                 n += 1
             node = node.parent
         return n

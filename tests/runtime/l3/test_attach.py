@@ -549,4 +549,6 @@ def test_two_ranks_expire_retention_pins_at_the_same_step():
     live = [(i, n) for i, _, n in log0]
     assert live == [(i, n) for i, _, n in log1]
     first_gone = next(i for i, n in live if n == 0)
-    assert first_gone == local0 and expired0 == expired1 == 1, (live, local0, local1)
+    # The pin lives ttl_s from the first poll after it was taken (that poll's agreed time, on
+    # every rank; Retention.restamp_at_poll): one step after rank 0's own clock would say.
+    assert first_gone == local0 + 1 and expired0 == expired1 == 1, (live, local0, local1)
