@@ -193,13 +193,21 @@ class Indexer:
                 self._request_snapshot(inst)
         return handled
 
-    def sync(self, instance_id: str, seq: int, timeout_s: float) -> bool:
+    def sync(self, instance_id: str, seq: int, timeout_s: float, run: int | None = None) -> bool:
         """Poll until ``instance_id``'s index is at sequence ``seq`` or later (and no snapshot is
-        outstanding), at most ``timeout_s``; returns whether it got there."""
+        outstanding), at most ``timeout_s``; returns whether it got there. ``run``: the
+        publisher run ``seq`` belongs to (``cache.events.run``): the index must be of that run
+        too. Without it, an index of the instance's previous run (before a restart, whose
+        numbers start again) reads as synced (a user trial)."""
         inst = self._instance(instance_id)
         deadline = time.monotonic() + timeout_s
         while True:
-            if inst.seq is not None and inst.seq >= seq and inst.waiting_since is None:
+            if (
+                inst.seq is not None
+                and inst.seq >= seq
+                and inst.waiting_since is None
+                and (run is None or inst.run == run)
+            ):
                 return True
             left = deadline - time.monotonic()
             if left <= 0:

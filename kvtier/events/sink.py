@@ -181,6 +181,12 @@ class EventSink:
     def snapshot_endpoint(self) -> str | None:
         return self.publisher.snapshot_endpoint
 
+    @property
+    def run(self) -> int:
+        """This start of the publisher (random, on every batch): with ``seq``, what a router's
+        ``Indexer.sync`` waits for across the instance's restarts."""
+        return self.thread.run
+
     def held(self, medium: str) -> set[str]:
         """Hex hashes of the pages ``medium`` holds as published so far (waits for the
         publisher thread, which keeps the mirror)."""

@@ -156,7 +156,7 @@ def inflight_writes(cache: TieredKVCache) -> set[bytes]:
 
 def synced(cache: TieredKVCache, ix: Indexer) -> None:
     ev = cache.events
-    assert ix.sync(ev.instance_id, ev.seq, SYNC_S), (
+    assert ix.sync(ev.instance_id, ev.seq, SYNC_S, run=ev.run), (
         f"subscriber stuck at {ix.seq(ev.instance_id)}, published {ev.seq}: {ix.counters}"
     )
 
@@ -166,7 +166,7 @@ def converge(cache: TieredKVCache, ix: Indexer, bound_s: float = SYNC_S) -> None
     the last published batch, within ``bound_s``."""
     ev = cache.events
     deadline = time.monotonic() + bound_s
-    while not ix.sync(ev.instance_id, ev.seq, 0.05):
+    while not ix.sync(ev.instance_id, ev.seq, 0.05, run=ev.run):
         assert time.monotonic() < deadline, f"no convergence: {ix.counters} {ev.counters}"
         cache.poll()
 

@@ -252,3 +252,38 @@ def test_storage_attached_and_detached_at_run_time(tmp_path):
     finally:
         cache.close()
         ix.close()
+
+
+def test_sync_with_the_run_waits_for_the_new_run_after_a_restart():
+    """After a restart the new run's numbers start again, so an index still at the old run's
+    number reads as synced with the new run's (a user trial: ``sync`` returned at once and
+    the router estimated the old run's pages). ``sync(..., run=cache.events.run)`` waits for
+    the index of that run."""
+    a = make_cache("write_through", events=loopback("inst-s"))
+    ix = subscribe(a)
+    try:
+        converge(a, ix)
+        for prompt in _turns(a, seed=16, n=3):
+            run_turn(a, prompt)
+        synced(a, ix)
+        old_seq = ix.seq("inst-s")
+        assert old_seq is not None and old_seq >= 1
+        endpoints = {"endpoint": a.events.endpoint, "snapshot_endpoint": a.events.snapshot_endpoint}
+        old_run = a.events.run
+        a.close()
+        b = make_cache("write_through", events=loopback("inst-s", heartbeat_s=0.1, **endpoints))
+        try:
+            assert b.events.run != old_run
+            target = min(old_seq, max(b.events.seq, 0))  # a number the old run already passed
+            assert ix.sync("inst-s", target, 0.0)  # by numbers alone: "synced" with the old run
+            assert not ix.sync("inst-s", target, 0.0, run=b.events.run)
+            run_turn(b, conversations(17, n=1)[0])
+            deadline = time.monotonic() + 10.0
+            while not ix.sync("inst-s", b.events.seq, 0.05, run=b.events.run):
+                assert time.monotonic() < deadline, dict(ix.counters)
+                b.poll()
+            check_index(b, ix, set())
+        finally:
+            b.close()
+    finally:
+        ix.close()
