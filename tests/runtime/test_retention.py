@@ -560,3 +560,28 @@ def test_agent_trace_pinned_sessions_keep_their_hits():
     # Unpinned sessions are the ones evicted: they hit less than the pinned agents.
     assert pinned["agents"][0] > pinned["others"][0]
     assert cache.counters.retention_pins == 8 and cache.counters.retention_refused == 0
+
+
+def test_a_hybrid_prefix_whose_device_kv_lacks_its_state_is_pinned_whole():
+    """A hybrid model's cached prefix can hold FULL KV on device below the device anchor (its
+    Mamba state or SWA window only on host): ``pin`` took device plus host-only tokens for the
+    prefix's length, missed those, and raised ``TreeIntegrityError`` or pinned a shorter
+    prefix (a soak trial)."""
+    from tests.runtime.synthetic import make_cache
+
+    cache = make_cache(("swa", "full", "mamba"), "write_through", device_tokens=96)
+    t = list(range(100, 120))
+    run_turn(cache, t[:17])  # [0, 16) with a Mamba state at 16, backed up
+    cache.drain()
+    cache.poll()
+    cache.evict(96)  # everything to host
+    cache.poll()
+    run_turn(cache, t[:8] + [900 + i for i in range(6)])  # [0, 8) recomputed on device
+    cache.drain()
+    cache.poll()
+    prompt = t[:17] + [7, 7, 7, 1]
+    m = cache.tree.match_prefix(prompt, read_only=True)
+    assert m.device_len + m.host_hit_length < m.matched_len == 20, m  # the case itself
+    h = cache.pin(prompt, ttl_s=10.0)
+    assert h.tokens == 20
+    cache.check_integrity()

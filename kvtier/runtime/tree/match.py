@@ -63,7 +63,7 @@ class Matcher:
         pos = 0
         values: list[torch.Tensor] = []
         best = best_dev = root
-        best_len = n_dev_values = 0
+        best_len = best_end = n_dev_values = 0
         while child is not None:
             klen = len(child.key)
             if n < klen and not read_only:
@@ -82,12 +82,12 @@ class Matcher:
                     if not v(child, n):
                         any_ok = False
                 if any_ok:
-                    best, best_len = child, n
+                    best, best_len, best_end = child, n, pos + n
             if dev_ok:
                 best_dev = child
                 n_dev_values = len(values)
                 if any_validators is None:
-                    best, best_len = child, n
+                    best, best_len, best_end = child, n, pos + n
             pos += n
             if n < klen:
                 break
@@ -104,7 +104,7 @@ class Matcher:
                 comp.refresh(path)
         mamba = self.tree.mamba
         if mamba is None and (any_validators is None or best is best_dev):
-            return MatchResult(indices, best_dev, best)
+            return MatchResult(indices, best_dev, best, matched_len=best_end)
         hits = [0] * len(comps)
         if best is not best_dev:
             hits = [c.finalize_match(best, best_dev, best_len) for c in comps]
@@ -118,7 +118,9 @@ class Matcher:
                 cow = self.mamba_copy_on_write(best)
             hits[mamba.slot] = mamba.finalize_match(best, best_dev, best_len)
         mamba_hit = hits[mamba.slot] if mamba is not None else 0
-        return MatchResult(indices, best_dev, best, hits[0], swa_hit, mamba_hit, branching, cow)
+        return MatchResult(
+            indices, best_dev, best, hits[0], swa_hit, mamba_hit, branching, cow, best_end
+        )
 
     def mamba_copy_on_write(
         self, node: TreeNode, dst: torch.Tensor | None = None

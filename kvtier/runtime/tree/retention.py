@@ -256,7 +256,7 @@ class Retention:
                 f"prefix: no whole page of its {len(tokens)} tokens is cached (page size "
                 f"{tree.page_size}); nothing to pin"
             )
-        end = m.device_len + m.host_hit_length
+        end = m.matched_len  # not device_len + host_hit_length: see MatchResult (a soak trial)
         drop = self.admit(m.best_match_node, end, priority, budget)
         node = tree.match_prefix(tokens[:end], namespace).best_match_node
         if node.end != end:  # the same walk as the read-only one, now splitting at ``end``

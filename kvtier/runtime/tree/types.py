@@ -82,6 +82,10 @@ class MatchResult(NamedTuple):
             checkpoint grid; the request should checkpoint its state there and insert it, so
             later requests can branch at it. None otherwise.
         mamba_cow: with ``cow_mamba``: the request's own state slot and where to copy it from.
+        matched_len: tokens of the usable prefix, root to ``best_match_node`` (within it where
+            a read-only match ends inside a node). Not ``device_len + host_hit_length`` in a
+            hybrid tree: FULL tokens on device between the anchors (their SWA window or Mamba
+            state is on host) are in neither.
     """
 
     device_indices: torch.Tensor
@@ -92,6 +96,7 @@ class MatchResult(NamedTuple):
     mamba_host_hit_length: int = 0
     mamba_branching_seqlen: int | None = None
     mamba_cow: MambaCopy | None = None
+    matched_len: int = 0
 
     @property
     def device_len(self) -> int:

@@ -83,8 +83,10 @@ class Sim:
             "swa_host_hit_length",
             "mamba_host_hit_length",
             "mamba_branching_seqlen",
+            "matched_len",
         ):
             assert getattr(ro, field) == getattr(m, field), (field, ro, m)
+        assert m.matched_len == m.best_match_node.end, (m.matched_len, m.best_match_node)
         # Same anchor, or the read-only one is the node the regular match split (a node keeps
         # its identity as the lower piece, so the new upper piece is its parent).
         assert m.best_match_node in (ro.best_match_node, ro.best_match_node.parent)
