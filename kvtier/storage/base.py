@@ -299,6 +299,22 @@ class StorageBackend(ABC):
 
     # -- the batch API ----------------------------------------------------------------------------
 
+    def contains(self, pool: str, hashes: Sequence[str]) -> list[bool]:
+        """Whether each of ``pool``'s pages ``hashes`` is in the store, page by page (``exists``
+        answers for a prefix). A store error or a malformed key reads as absence (a store
+        error also counted in ``failed_pages.read``)."""
+        t = PoolTransfer(pool, list(hashes))
+        self._check_pools([t])
+        names = self._object_keys(t)
+        flat = [k for k in names if k is not None]
+        try:
+            found = iter(self._contains(flat) if flat else [])
+        except Exception:
+            log.exception("%s: contains failed for %d objects", self.name, len(flat))
+            self.metrics.add_failed_pages(Direction.READ, len(flat))
+            return [False] * len(names)
+        return [k is not None and bool(next(found)) for k in names]
+
     def exists(self, transfers: Sequence[PoolTransfer]) -> int:
         """Usable prefix length in pages: the minimum over pools under their hit policies.
 

@@ -42,6 +42,12 @@ class BackupJob:
     pages: dict[str, tuple[list[str], torch.Tensor]]
     pins: list[HostPinHandle]
     event: object = None  # CUDA event of the D→H copy (complete before the job is queued)
+    # Pages the tier remembers as stored, listed in ``pages`` too: the writer asks the store
+    # first and writes only those it no longer holds (a capped store evicts what this process
+    # remembers writing, and a path's later backups then skipped its evicted pages for good,
+    # breaking every later prefetch of it; a soak trial).
+    recheck: set[tuple[str, str]] = field(default_factory=set)
+    held: int = 0  # re-checked pages the store still held: in ``stored``, not written
     done: threading.Event = field(default_factory=threading.Event)
     stored: list[tuple[str, str]] = field(default_factory=list)
     failed_pages: int = 0
@@ -50,7 +56,7 @@ class BackupJob:
 
     @property
     def num_pages(self) -> int:
-        return sum(len(h) for h, _ in self.pages.values())
+        return sum(len(h) for h, _ in self.pages.values()) + self.held
 
 
 class BackupWriter:
@@ -121,6 +127,8 @@ class BackupWriter:
     def _write(self, job: BackupJob) -> None:
         if job.event is not None:
             job.event.synchronize()
+        if job.recheck:
+            self._drop_held(job)
         # Aux pools first: a KV hit then implies its aux pages were written (or failed loudly).
         order = [p for p in job.pages if p != "kv"] + (["kv"] if "kv" in job.pages else [])
         for name in order:
@@ -142,6 +150,26 @@ class BackupWriter:
                         len(job.pages[n][0]) for n in order[order.index(name) + 1 :]
                     )
                     return
+
+    def _drop_held(self, job: BackupJob) -> None:
+        """Take the pages to re-check that the store still holds out of ``job.pages`` (they
+        count as stored); the rest are written with the job's other pages, in path order."""
+        for name, (hashes, pages) in list(job.pages.items()):
+            check = [i for i, h in enumerate(hashes) if (name, h) in job.recheck]
+            if not check:
+                continue
+            held = self.backend.contains(name, [hashes[i] for i in check])
+            drop = {i for i, ok in zip(check, held) if ok}
+            if not drop:
+                continue
+            job.stored += [(name, hashes[i]) for i in sorted(drop)]
+            job.held += len(drop)
+            keep = [i for i in range(len(hashes)) if i not in drop]
+            job.pages[name] = (
+                [hashes[i] for i in keep],
+                pages[torch.tensor(keep, dtype=torch.int64)],
+            )
+        job.recheck = set()
 
     def _write_batch(self, pool: L3Pool, hashes: list[str], pages: torch.Tensor) -> list[bool]:
         ok = [False] * len(hashes)

@@ -60,6 +60,7 @@ __all__ = ["L3Tier", "Prefetch"]
 
 log = logging.getLogger(__name__)
 
+_NAMESPACE_MEMORY = 4096  # request namespaces whose L3 key namespace is kept
 _STORED_MEMORY = 1 << 20  # (pool, hash) pairs remembered as already in L3
 
 
@@ -137,7 +138,7 @@ class L3Tier:
         self.counters: Counter[str] = Counter() if counters is None else counters
         self.admitting = True
         self.inflight_tokens = 0
-        self._namespaces: dict[Hashable, Namespace] = {}
+        self._namespaces: OrderedDict[Hashable, Namespace] = OrderedDict()  # recent ones
         self._stored: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._pending: set[tuple[str, str]] = set()
         self._unrecorded: set[int] = set()  # ids of jobs in flight at a clear: not "stored"
@@ -150,10 +151,17 @@ class L3Tier:
     # -- keys ----------------------------------------------------------------------------------
 
     def namespace(self, request_namespace: Hashable) -> Namespace:
-        ns = self._namespaces.get(request_namespace)
+        """The L3 key namespace of a request namespace; the latest ``_NAMESPACE_MEMORY`` are
+        kept (one per session salt grew without bound: ~0.5 KB each, a soak trial)."""
+        spaces = self._namespaces
+        ns = spaces.get(request_namespace)
         if ns is None:
             ns = namespace_for(self.cfg, request_namespace, self.tp_size)
-            self._namespaces[request_namespace] = ns
+            spaces[request_namespace] = ns
+            if len(spaces) > _NAMESPACE_MEMORY:
+                spaces.popitem(last=False)
+        else:
+            spaces.move_to_end(request_namespace)
         return ns
 
     def node_hashes(self, node: TreeNode) -> list[str]:
@@ -196,6 +204,9 @@ class L3Tier:
         return len(self._backups) - before
 
     def _write_path(self, node: TreeNode, event) -> None:
+        """Queue the L3 write of ``node``'s path: its pages not written yet, and (when there is
+        any such page) the path's pages remembered as written, which the writer checks against
+        the store first and writes again where the store no longer holds them (``recheck``)."""
         if node.parent is None or not node.attached:
             return
         path = []
@@ -203,41 +214,54 @@ class L3Tier:
             path.append(node)
             node = node.parent
         swa, mamba = self.tree.swa, self.tree.mamba
-        pages: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
-        pins = []
+        parts: list[tuple[TreeNode, str, list[str], torch.Tensor]] = []
         for x in reversed(path):
             if x.host_value[0] is None:
                 continue  # write-back: a leaf is backed up before its parent
             hashes = self.node_hashes(x)
-            took = False
             for name in self.kv_group:  # sidecars are addressed by their anchor's host slots
-                took |= self._add_pages(pages, name, hashes, x.host_value[0])
+                parts.append((x, name, hashes, x.host_value[0]))
             if swa is not None and x.host_value[swa.slot] is not None:
                 for name in self.swa_group:
-                    took |= self._add_pages(pages, name, hashes, x.host_value[swa.slot])
+                    parts.append((x, name, hashes, x.host_value[swa.slot]))
             if mamba is not None and x.host_value[mamba.slot] is not None:
-                took |= self._add_pages(pages, "mamba", hashes[-1:], x.host_value[mamba.slot])
-            if took:
+                parts.append((x, "mamba", hashes[-1:], x.host_value[mamba.slot]))
+        stored, pending = self._stored, self._pending
+        if not any(
+            (name, h) not in stored and (name, h) not in pending
+            for _, name, hashes, _ in parts
+            for h in hashes
+        ):
+            return  # nothing new on the path: no job (its remembered pages stay unchecked)
+        pages: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+        recheck: set[tuple[str, str]] = set()
+        pins, pinned = [], set()
+        for x, name, hashes, slots in parts:
+            if self._add_pages(pages, name, hashes, slots, recheck) and id(x) not in pinned:
+                pinned.add(id(x))
                 pins.append(self.tree.pin_host(x))
-        if not pins:
-            return
         job = BackupJob({p: (h, torch.cat(s)) for p, (h, s) in pages.items()}, pins, event)
+        job.recheck = recheck
         self._backups.append(job)
         self.writer.submit(job)
 
-    def _add_pages(self, pages, pool: str, hashes: list[str], slots: torch.Tensor) -> bool:
+    def _add_pages(
+        self, pages, pool: str, hashes: list[str], slots: torch.Tensor, recheck: set
+    ) -> bool:
+        """Add ``pool``'s pages ``hashes`` (host ``slots``) to a job's ``pages``, but those
+        another job is writing; those remembered as written go to ``recheck`` too. Whether
+        any was added."""
         ids = self.pools[pool].pages_of(slots)
-        keep = [
-            i
-            for i, h in enumerate(hashes)
-            if (pool, h) not in self._stored and (pool, h) not in self._pending
-        ]
+        keep = [i for i, h in enumerate(hashes) if (pool, h) not in self._pending]
         if not keep:
             return False
         hs, chunks = pages.setdefault(pool, ([], []))
         for i in keep:
-            self._pending.add((pool, hashes[i]))
+            key = (pool, hashes[i])
+            self._pending.add(key)
             hs.append(hashes[i])
+            if key in self._stored:
+                recheck.add(key)
         chunks.append(ids[torch.tensor(keep, dtype=torch.int64)])
         return True
 
@@ -271,7 +295,7 @@ class L3Tier:
                     self._stored.move_to_end((pool, h))
         while len(self._stored) > _STORED_MEMORY:
             self._stored.popitem(last=False)
-        self.counters["backup_pages"] += len(job.stored)
+        self.counters["backup_pages"] += len(job.stored) - job.held
         self.counters["backup_failed_pages"] += job.failed_pages
         self.counters["backup_revoked_pages"] += job.revoked_pages
 

@@ -1,0 +1,81 @@
+"""Pages the tier remembers writing are checked against the store before a later backup of
+their path skips them: a capped store evicts pages this process wrote while it still caches
+them, and every later backup of the path used to skip them for good, so a later prefetch of
+the conversation found its chain broken at the root and served nothing (a soak trial)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.runtime.cache import TieredKVCache
+from kvtier.runtime.config import CacheConfig, StorageConfig
+from kvtier.storage import PoolTransfer
+from tests.runtime.synthetic import run_turn
+
+
+def _cache(root) -> TieredKVCache:
+    cfg = CacheConfig(
+        layer_kinds=("full", "full"), kv_heads=1, head_dim=4, page_size=4,
+        device_tokens=64, dtype=torch.float32, host_ratio=2.0, model_id="recheck",
+        write_policy="write_through",
+        storage=StorageConfig(
+            backend_config={"root": str(root), "capacity_bytes": 96 << 10,
+                            "segment_bytes": 64 << 10},
+            prefetch_min_tokens=4, prefetch_policy="wait_complete",
+        ),
+    )  # fmt: skip
+    return TieredKVCache(cfg)
+
+
+def test_a_remembered_page_the_store_evicted_is_written_again(tmp_path):
+    cache = _cache(tmp_path / "l3")
+    store = cache.l3.backend
+    a = list(range(1000, 1015))
+    run_turn(cache, a)  # turn 1 of conversation A, written to L3
+    cache.drain()
+    cache.poll()
+    node = cache.tree.match_prefix(a[:12], read_only=True).best_match_node
+    hashes = cache.l3.node_hashes(node)
+    assert all(store.contains("kv", hashes))
+    pin = cache.pin(a + [7], ttl_s=1e5)  # A stays cached while other traffic fills the store
+    for i in range(60):
+        run_turn(cache, [5000 + 20 * i + j for j in range(15)])
+    cache.drain()
+    cache.poll()
+    assert not any(store.contains("kv", hashes)), "the test needs A's pages evicted"
+    assert all(("kv", h) in cache.l3.stored_pages() for h in hashes)  # still remembered
+    a2 = a + [7, 7, 7] + list(range(2000, 2011))
+    run_turn(cache, a2)  # turn 2: its backup re-checks A's remembered pages
+    cache.drain()
+    cache.poll()
+    assert all(store.contains("kv", hashes)), store.contains("kv", hashes)
+    # And the conversation comes back from L3 whole once the cache has lost it.
+    cache.unpin(pin)
+    for i in range(12):
+        run_turn(cache, [9000 + 20 * i + j for j in range(15)])
+    cache.drain()
+    cache.poll()
+    prompt = a2 + [7, 7, 7, 1]
+    pf = cache.prefetch(prompt)
+    while pf is not None and not pf.done:
+        cache.l3.wait_some(0.05)
+        cache.poll()
+    req = cache.match(prompt)
+    assert req.storage_hit == len(prompt) - 1 - (len(prompt) - 1) % 4, (pf, req)
+    cache.abort(req)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_contains_answers_page_by_page(tmp_path):
+    cache = _cache(tmp_path / "l3")
+    run_turn(cache, list(range(1000, 1015)))
+    cache.drain()
+    cache.poll()
+    (h0, *_rest) = cache.l3.node_hashes(
+        cache.tree.match_prefix(list(range(1000, 1012)), read_only=True).best_match_node
+    )
+    other = "f" * 64
+    assert cache.l3.backend.contains("kv", [other, h0, "not-a-hash"]) == [False, True, False]
+    assert cache.l3.backend.exists([PoolTransfer("kv", [other, h0])]) == 0  # a prefix answer
+    cache.close()
