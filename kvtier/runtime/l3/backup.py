@@ -47,7 +47,7 @@ class BackupJob:
     # remembers writing, and a path's later backups then skipped its evicted pages for good,
     # breaking every later prefetch of it; a soak trial).
     recheck: set[tuple[str, str]] = field(default_factory=set)
-    held: int = 0  # re-checked pages the store still held: in ``stored``, not written
+    held: int = 0  # re-checked pages the store still held: in ``stored``, not written again
     done: threading.Event = field(default_factory=threading.Event)
     stored: list[tuple[str, str]] = field(default_factory=list)
     failed_pages: int = 0
@@ -56,7 +56,7 @@ class BackupJob:
 
     @property
     def num_pages(self) -> int:
-        return sum(len(h) for h, _ in self.pages.values()) + self.held
+        return sum(len(h) for h, _ in self.pages.values())
 
 
 class BackupWriter:
@@ -127,12 +127,13 @@ class BackupWriter:
     def _write(self, job: BackupJob) -> None:
         if job.event is not None:
             job.event.synchronize()
-        if job.recheck:
-            self._drop_held(job)
+        # ``job.pages`` stays as the tier built it (every TP rank remembers the same pages);
+        # the pages to write are those less the re-checked ones the store still holds.
+        todo = self._to_write(job)
         # Aux pools first: a KV hit then implies its aux pages were written (or failed loudly).
-        order = [p for p in job.pages if p != "kv"] + (["kv"] if "kv" in job.pages else [])
+        order = [p for p in todo if p != "kv"] + (["kv"] if "kv" in todo else [])
         for name in order:
-            hashes, pages = job.pages[name]
+            hashes, pages = todo[name]
             pool = self.pools[name]
             B = pool.batch_pages
             for i in range(0, len(hashes), B):
@@ -146,30 +147,29 @@ class BackupWriter:
                     # Stop at the first failed batch: later pages of a prefix are useless
                     # without it. Every page not written counts as failed.
                     job.failed_pages += failed + len(hashes) - (i + len(ok))
-                    job.failed_pages += sum(
-                        len(job.pages[n][0]) for n in order[order.index(name) + 1 :]
-                    )
+                    job.failed_pages += sum(len(todo[n][0]) for n in order[order.index(name) + 1 :])
                     return
 
-    def _drop_held(self, job: BackupJob) -> None:
-        """Take the pages to re-check that the store still holds out of ``job.pages`` (they
-        count as stored); the rest are written with the job's other pages, in path order."""
-        for name, (hashes, pages) in list(job.pages.items()):
+    def _to_write(self, job: BackupJob) -> dict[str, tuple[list[str], torch.Tensor]]:
+        """The job's pages less the re-checked ones the store still holds, which count as
+        stored (``job.held``)."""
+        if not job.recheck:
+            return job.pages
+        todo = {}
+        for name, (hashes, pages) in job.pages.items():
             check = [i for i, h in enumerate(hashes) if (name, h) in job.recheck]
-            if not check:
+            held = set()
+            if check:
+                found = self.backend.contains(name, [hashes[i] for i in check])
+                held = {i for i, ok in zip(check, found) if ok}
+            if not held:
+                todo[name] = (hashes, pages)
                 continue
-            held = self.backend.contains(name, [hashes[i] for i in check])
-            drop = {i for i, ok in zip(check, held) if ok}
-            if not drop:
-                continue
-            job.stored += [(name, hashes[i]) for i in sorted(drop)]
-            job.held += len(drop)
-            keep = [i for i in range(len(hashes)) if i not in drop]
-            job.pages[name] = (
-                [hashes[i] for i in keep],
-                pages[torch.tensor(keep, dtype=torch.int64)],
-            )
-        job.recheck = set()
+            job.stored += [(name, hashes[i]) for i in sorted(held)]
+            job.held += len(held)
+            keep = [i for i in range(len(hashes)) if i not in held]
+            todo[name] = ([hashes[i] for i in keep], pages[torch.tensor(keep, dtype=torch.int64)])
+        return todo
 
     def _write_batch(self, pool: L3Pool, hashes: list[str], pages: torch.Tensor) -> list[bool]:
         ok = [False] * len(hashes)

@@ -79,3 +79,21 @@ def test_contains_answers_page_by_page(tmp_path):
     assert cache.l3.backend.contains("kv", [other, h0, "not-a-hash"]) == [False, True, False]
     assert cache.l3.backend.exists([PoolTransfer("kv", [other, h0])]) == 0  # a prefix answer
     cache.close()
+
+
+def test_re_checked_pages_the_store_holds_are_not_written_and_not_left_pending(tmp_path):
+    """A later turn's backup re-checks its path's remembered pages; those the store holds are
+    counted stored without a write, and none of the job's pages stays marked in flight."""
+    cache = _cache(tmp_path / "l3")
+    a = list(range(1000, 1015))
+    run_turn(cache, a)
+    cache.drain()
+    cache.poll()
+    written = cache.metrics()["l3.backup_pages"]
+    run_turn(cache, a + [7, 7, 7] + list(range(2000, 2011)))  # the path's first pages: held
+    cache.drain()
+    cache.poll()
+    assert not cache.l3._pending, "pages of finished jobs left marked in flight"
+    new = cache.metrics()["l3.backup_pages"] - written
+    assert 0 < new < len(cache.l3.stored_pages()), new  # only the new pages were written
+    cache.close()
