@@ -15,14 +15,20 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.metrics import TierMetrics
 from kvtier.runtime.l3.pools import L3Pool
+from kvtier.runtime.tree.node import TreeNode
 from kvtier.runtime.tree.types import HostPinHandle
 from kvtier.storage import PoolTransfer, StorageBackend
+
+if TYPE_CHECKING:
+    from kvtier.runtime.tree.tree import UnifiedRadixTree
 
 __all__ = ["BackupJob", "BackupWriter"]
 
@@ -187,3 +193,61 @@ class BackupWriter:
             if not todo:
                 break
         return ok
+
+
+def path_job(
+    tree: UnifiedRadixTree,
+    node: TreeNode,
+    event,
+    pools: Mapping[str, L3Pool],
+    groups: Mapping[str, Sequence[str]],
+    node_hashes: Callable[[TreeNode], list[str]],
+    stored: Container[tuple[str, str]],
+    pending: set[tuple[str, str]],
+) -> BackupJob | None:
+    """The L3 write of ``node``'s path, or None when nothing on it is new: its pages not
+    written yet (not in ``stored``, not ``pending``), and then the path's pages ``stored``
+    says were written too, which the writer checks against the store first and writes again
+    where it no longer holds them (``BackupJob.recheck``). Marks the job's pages ``pending``
+    and host-pins their nodes. ``groups``: the pools of the ``"kv"`` and ``"swa"`` groups
+    (sidecars are addressed by their anchor's host slots)."""
+    if node.parent is None or not node.attached:
+        return None
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    swa, mamba = tree.swa, tree.mamba
+    parts: list[tuple[TreeNode, str, list[str], torch.Tensor]] = []
+    for x in reversed(path):
+        if x.host_value[0] is None:
+            continue  # write-back: a leaf is backed up before its parent
+        hashes = node_hashes(x)
+        parts += [(x, name, hashes, x.host_value[0]) for name in groups["kv"]]
+        if swa is not None and x.host_value[swa.slot] is not None:
+            parts += [(x, name, hashes, x.host_value[swa.slot]) for name in groups["swa"]]
+        if mamba is not None and x.host_value[mamba.slot] is not None:
+            parts.append((x, "mamba", hashes[-1:], x.host_value[mamba.slot]))
+    if all((name, h) in stored or (name, h) in pending for _, name, hs, _ in parts for h in hs):
+        return None  # nothing new on the path (its remembered pages stay unchecked)
+    pages: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    recheck: set[tuple[str, str]] = set()
+    pins, pinned = [], set()
+    for x, name, hashes, slots in parts:
+        keep = [i for i, h in enumerate(hashes) if (name, h) not in pending]
+        if not keep:
+            continue
+        hs, chunks = pages.setdefault(name, ([], []))
+        for i in keep:
+            key = (name, hashes[i])
+            pending.add(key)
+            hs.append(hashes[i])
+            if key in stored:
+                recheck.add(key)
+        chunks.append(pools[name].pages_of(slots)[torch.tensor(keep, dtype=torch.int64)])
+        if id(x) not in pinned:
+            pinned.add(id(x))
+            pins.append(tree.pin_host(x))
+    job = BackupJob({p: (h, torch.cat(c)) for p, (h, c) in pages.items()}, pins, event)
+    job.recheck = recheck
+    return job

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.metrics import TierMetrics
-from kvtier.runtime.l3.backup import BackupJob, BackupWriter
+from kvtier.runtime.l3.backup import BackupJob, BackupWriter, path_job
 from kvtier.runtime.l3.graft import alloc_host, free_slots, graft_agreed, load_beats_recompute
 from kvtier.runtime.l3.pools import L3Pool, namespace_for
 from kvtier.runtime.l3.prefetch import Prefetch, PrefetchWorkers, RevokeReason
@@ -204,66 +204,21 @@ class L3Tier:
         return len(self._backups) - before
 
     def _write_path(self, node: TreeNode, event) -> None:
-        """Queue the L3 write of ``node``'s path: its pages not written yet, and (when there is
-        any such page) the path's pages remembered as written, which the writer checks against
-        the store first and writes again where the store no longer holds them (``recheck``)."""
-        if node.parent is None or not node.attached:
-            return
-        path = []
-        while node.parent is not None:
-            path.append(node)
-            node = node.parent
-        swa, mamba = self.tree.swa, self.tree.mamba
-        parts: list[tuple[TreeNode, str, list[str], torch.Tensor]] = []
-        for x in reversed(path):
-            if x.host_value[0] is None:
-                continue  # write-back: a leaf is backed up before its parent
-            hashes = self.node_hashes(x)
-            for name in self.kv_group:  # sidecars are addressed by their anchor's host slots
-                parts.append((x, name, hashes, x.host_value[0]))
-            if swa is not None and x.host_value[swa.slot] is not None:
-                for name in self.swa_group:
-                    parts.append((x, name, hashes, x.host_value[swa.slot]))
-            if mamba is not None and x.host_value[mamba.slot] is not None:
-                parts.append((x, "mamba", hashes[-1:], x.host_value[mamba.slot]))
-        stored, pending = self._stored, self._pending
-        if not any(
-            (name, h) not in stored and (name, h) not in pending
-            for _, name, hashes, _ in parts
-            for h in hashes
-        ):
-            return  # nothing new on the path: no job (its remembered pages stay unchecked)
-        pages: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
-        recheck: set[tuple[str, str]] = set()
-        pins, pinned = [], set()
-        for x, name, hashes, slots in parts:
-            if self._add_pages(pages, name, hashes, slots, recheck) and id(x) not in pinned:
-                pinned.add(id(x))
-                pins.append(self.tree.pin_host(x))
-        job = BackupJob({p: (h, torch.cat(s)) for p, (h, s) in pages.items()}, pins, event)
-        job.recheck = recheck
-        self._backups.append(job)
-        self.writer.submit(job)
-
-    def _add_pages(
-        self, pages, pool: str, hashes: list[str], slots: torch.Tensor, recheck: set
-    ) -> bool:
-        """Add ``pool``'s pages ``hashes`` (host ``slots``) to a job's ``pages``, but those
-        another job is writing; those remembered as written go to ``recheck`` too. Whether
-        any was added."""
-        ids = self.pools[pool].pages_of(slots)
-        keep = [i for i, h in enumerate(hashes) if (pool, h) not in self._pending]
-        if not keep:
-            return False
-        hs, chunks = pages.setdefault(pool, ([], []))
-        for i in keep:
-            key = (pool, hashes[i])
-            self._pending.add(key)
-            hs.append(hashes[i])
-            if key in self._stored:
-                recheck.add(key)
-        chunks.append(ids[torch.tensor(keep, dtype=torch.int64)])
-        return True
+        """Queue the L3 write of ``node``'s path (``path_job``)."""
+        groups = {"kv": self.kv_group, "swa": self.swa_group}
+        job = path_job(
+            self.tree,
+            node,
+            event,
+            self.pools,
+            groups,
+            self.node_hashes,
+            self._stored,
+            self._pending,
+        )
+        if job is not None:
+            self._backups.append(job)
+            self.writer.submit(job)
 
     def _finish_backup(self, job: BackupJob, stored: bool) -> None:
         """Unpin an agreed-finished job; ``stored`` (agreed: every rank's pages reached L3, or
