@@ -528,16 +528,17 @@ class TieredKVCache:
             if int(all_reduce_max(left, self.controller.tp_group)) == 0:
                 return
 
-    def close(self) -> None:
+    def close(self, cancel: bool = False) -> None:
         """Stop the L3 threads and release the backend (after ``drain``). Later calls that
         would start work (``match``, ``prefetch``, ``pin``, ``start_loading``, ``poll``, and
-        every call on a request) raise ``ValueError``; a second ``close`` does nothing."""
+        every call on a request) raise ``ValueError``; a second ``close`` does nothing.
+        ``cancel``: L3 writes and reads still queued are dropped, not waited for."""
         if self._closed:
             return
         self._closed = True
         if self.events is not None:
             self.events.close()  # publishes that this instance holds nothing any more
-        self._storage.close()
+        self._storage.close(cancel)
 
     def request_owned(self) -> dict[str, int]:
         """Device slots per pool (``kv``, ``swa``, ``mamba``) running requests hold outside the
@@ -622,6 +623,6 @@ def _close_open() -> None:
     active exception", after real L3 traffic)."""
     for cache in list(_OPEN):
         try:
-            cache.close()
+            cache.close(cancel=True)  # queued writes are not worth holding the exit for
         except Exception:  # one cache's failure must not keep the others open
             logging.getLogger(__name__).exception("kvtier: closing a cache at exit failed")

@@ -592,9 +592,23 @@ def backend_config(name: str, config: Mapping[str, Any], *, complete: bool = Tru
     """Backend ``name``'s ``Config`` built from ``config`` (``create_backend``'s keyword
     arguments), with errors that name ``backend`` or ``backend_config``: an unknown backend, a
     key the backend does not take, a required key missing, a value its ``Config`` refuses.
-    ``complete=False`` checks only the keys given (a config whose backend may come built, as
-    ``TieredKVCache(..., storage_backend=)``) and returns None when required keys are missing."""
-    cls = _backend_class(name).Config  # type: ignore[attr-defined]
+    ``complete=False`` (a config whose backend may come built, as ``TieredKVCache(...,
+    storage_backend=)``, or be registered later): a name not registered, a backend that
+    cannot be imported here, or a ``Config`` that is not a dataclass pass unchecked, required
+    keys may be missing, and what is given is checked; returns None unless it built one."""
+    if complete:
+        cls = _backend_class(name).Config  # type: ignore[attr-defined]
+    else:
+        if name not in _REGISTRY:
+            return None
+        try:
+            cls = _backend_class(name).Config  # type: ignore[attr-defined]
+        except Exception:  # e.g. its package is not installed here: create_backend will say
+            return None
+        if not dataclasses.is_dataclass(cls):
+            return None
+    if not dataclasses.is_dataclass(cls):
+        return cls(**config)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     names = {f.name for f in fields}
     unknown = sorted(set(config) - names)

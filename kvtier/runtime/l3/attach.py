@@ -367,15 +367,15 @@ class StorageSwitch:
             self.tree.events.cleared(_STORAGE)  # this instance reaches none of those pages now
         ch._finish(ch.outcome or ChangeOutcome.APPLIED)
 
-    def close(self) -> None:
+    def close(self, cancel: bool = False) -> None:
         """Close the tier in use and one a pending attach built (the cache is closing); later
-        changes are refused."""
+        changes are refused. ``cancel``: drop queued IO (``L3Tier.close``)."""
         self.closed = True
         if self.pending is not None and self.pending.tier is not None:
-            self.pending.tier.close()
+            self.pending.tier.close(cancel=cancel)
             self.pending.tier = None
         if self.tier is not None:
-            self.tier.close()
+            self.tier.close(cancel=cancel)
 
 
 _DELETE_BATCH = 4096  # pages per delete call

@@ -110,6 +110,10 @@ class BackupWriter:
         self._queue.put((2, next(self._seq), None))
         self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
         while True:
             _, _, job = self._queue.get()

@@ -170,6 +170,10 @@ class PrefetchWorkers:
         for t in self._threads:
             t.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
     @staticmethod
     def _serve(q: queue.Queue, fn) -> None:
         while True:

@@ -536,11 +536,22 @@ class L3Tier:
         self._stored.clear()
         self._unrecorded = {id(job) for job in self._backups}
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = 5.0, cancel: bool = False) -> None:
+        """Stop the IO threads (each join up to ``timeout``) and close the backend this tier
+        built. ``cancel``: jobs and prefetches still queued are dropped, a write in progress
+        stops at its next batch (the interpreter is exiting). A backend whose threads are still
+        running is left open: closing it under them is what aborted exiting processes."""
+        if cancel:
+            self.writer.cancel.set()
+            for op in (*self._querying, *self._loading, *self._draining):
+                op.cancel.set()
         self.writer.close(timeout)
         self.workers.close(timeout)
         if self.owns_backend:
-            self.backend.close()
+            if self.writer.alive or self.workers.alive:
+                log.warning("L3: IO threads still running after %.1f s: backend left open", timeout)
+            else:
+                self.backend.close()
 
 
 def _ready(q: deque, is_ready) -> int:

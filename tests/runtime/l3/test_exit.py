@@ -5,9 +5,11 @@ SIGABRT, found in a user trial following the README)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +75,69 @@ def test_an_open_cache_does_not_abort_the_exit(tmp_path):
         assert "served" in out.stdout, out.stderr[-2000:]
         assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
         assert "terminate called" not in out.stderr
+
+
+SLOW_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    import torch
+    from kvtier.runtime.cache import TieredKVCache
+    from kvtier.runtime.config import CacheConfig, StorageConfig
+    from kvtier.storage.base import register_backend
+    from kvtier.storage.file_backend import FilePerPageBackend
+    from tests.runtime.l3.helpers import conversations
+    from tests.runtime.synthetic import run_turn
+
+    class Slow(FilePerPageBackend):
+        name = "slow"
+        writes = 0
+
+        def _write(self, keys, pages):
+            Slow.writes += 1
+            time.sleep(0.3)
+            return super()._write(keys, pages)
+
+        def close(self):
+            alive = any(
+                t.name == "kvtier-l3-backup" and t.is_alive() for t in threading.enumerate()
+            )
+            print(f"closed under a live writer: {alive}; writes {Slow.writes}", flush=True)
+            super().close()
+
+    register_backend("slow", Slow)
+    cfg = CacheConfig(
+        layer_kinds=("full", "full"), kv_heads=1, head_dim=4, page_size=4, device_tokens=96,
+        dtype=torch.float32, host_ratio=4.0, write_policy="write_through", model_id="m",
+        storage=StorageConfig(
+            backend="slow", backend_config={"root": sys.argv[1]}, batch_pages=1,
+            prefetch_min_tokens=4,
+        ),
+    )
+    cache = TieredKVCache(cfg)
+    for conv in conversations(0, 3):
+        run_turn(cache, conv)
+    cache.poll()
+    print(f"jobs queued: {len(cache.l3._backups)}", flush=True)
+    # no close(): the exit hook cancels what is queued and closes the store after its writer
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_the_exit_hook_drops_queued_writes_and_closes_the_store_after_its_writer(tmp_path):
+    """At exit the hook cancels the queued L3 writes (a write in progress ends at its batch)
+    and closes the store only once its writer thread has stopped; it used to wait out the
+    writer's join timeout and then close the store under the write in progress (a review)."""
+    script = tmp_path / "slow.py"
+    script.write_text(SLOW_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "l3")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    queued = int(out.stdout.split("jobs queued: ")[1].split()[0])
+    assert queued >= 2, out.stdout  # the test needs writes still queued at exit
+    assert "closed under a live writer: False" in out.stdout, out.stdout
