@@ -71,6 +71,7 @@ def test_an_open_cache_does_not_abort_the_exit(tmp_path):
             capture_output=True,
             text=True,
             timeout=240,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
         )
         assert "served" in out.stdout, out.stderr[-2000:]
         assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
