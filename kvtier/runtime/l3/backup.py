@@ -30,7 +30,7 @@ from kvtier.storage import PoolTransfer, StorageBackend
 if TYPE_CHECKING:
     from kvtier.runtime.tree.tree import UnifiedRadixTree
 
-__all__ = ["BackupJob", "BackupWriter"]
+__all__ = ["BackupJob", "BackupWriter", "path_job"]
 
 log = logging.getLogger(__name__)
 
