@@ -346,30 +346,28 @@ def test_no_warning_when_l3_can_serve(overrides: dict) -> None:
         _l3_config(**overrides)
 
 
-def test_a_backend_name_not_registered_yet_is_checked_when_the_cache_builds_it() -> None:
-    """A config may name a backend registered later (``register_backend``) or never (the cache
-    is given it built): accepted here; a cache that must build it refuses it by name."""
+@pytest.mark.parametrize(
+    "storage, exc, pattern",
+    [
+        # A name registered later (``register_backend``) or never (the cache is given the
+        # backend built): accepted by the config, refused by name by a cache that builds it.
+        (
+            {"backend": "not-registered", "backend_config": {"anything": 1}},
+            ValueError,
+            "backend: unknown storage backend 'not-registered'",
+        ),
+        # What the backend needs (``root``) may be left out for a backend given built.
+        ({}, TypeError, "backend_config: the 'file' backend needs root"),
+    ],
+)
+def test_what_a_storage_config_may_leave_open_is_refused_when_the_cache_builds_it(
+    storage: dict, exc: type[Exception], pattern: str
+) -> None:
     from kvtier.runtime.cache import TieredKVCache
 
-    st = StorageConfig(backend="not-registered", backend_config={"anything": 1})
     cfg = CacheConfig(
         layer_kinds=("full",), kv_heads=1, head_dim=4, page_size=4, device_tokens=32,
-        host_ratio=2.0, storage=st, model_id="m",
+        host_ratio=2.0, storage=StorageConfig(**storage), model_id="m",
     )  # fmt: skip
-    with pytest.raises(ValueError, match="backend: unknown storage backend 'not-registered'"):
-        TieredKVCache(cfg)
-
-
-def test_a_backend_config_without_its_required_keys_fails_in_the_cache_by_name() -> None:
-    """``backend_config`` may leave out what the backend needs (``root``): the cache may be
-    given its backend built (``storage_backend=``); building it from the config then names
-    the missing key."""
-    from kvtier.runtime.cache import TieredKVCache
-
-    st = StorageConfig()  # the file backend, no root: accepted here
-    cfg = CacheConfig(
-        layer_kinds=("full",), kv_heads=1, head_dim=4, page_size=4, device_tokens=32,
-        host_ratio=2.0, storage=st, model_id="m",
-    )  # fmt: skip
-    with pytest.raises(TypeError, match="backend_config: the 'file' backend needs root"):
+    with pytest.raises(exc, match=pattern):
         TieredKVCache(cfg)

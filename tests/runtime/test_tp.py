@@ -22,16 +22,20 @@ from tests.runtime.synthetic import fingerprint, forward
 STEPS = 14
 
 
-def workload(cache: TieredKVCache, step: int) -> None:
-    gen = torch.Generator().manual_seed(step)
-    conv = step % 3
-    tokens = [conv] * 4 + torch.randint(0, 40, (8 + 4 * (step % 4),), generator=gen).tolist()
+def turn(cache: TieredKVCache, tokens: list[int]) -> None:
+    """One request: match, load, write two more positions, finish."""
     req = cache.match(tokens)
     cache.reserve(req, len(tokens) + 2)
     cache.start_loading()
     req.token_ids = tokens + [1, 1]
     forward(cache, req, len(tokens) + 2)
     cache.cache_finished_req(req)
+
+
+def workload(cache: TieredKVCache, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    conv = step % 3
+    turn(cache, [conv] * 4 + torch.randint(0, 40, (8 + 4 * (step % 4),), generator=gen).tolist())
 
 
 def _rank(rank: int, init: str, agree: bool, out: str, gpus: bool) -> None:
@@ -176,16 +180,20 @@ def test_ranks_out_of_step_raise_at_the_same_poll(how):
     assert e0[0][1] == e1[0][1], (e0, e1)
 
 
+def _poll_error(cache: TieredKVCache) -> str:
+    """The RuntimeError a poll raised, or ""."""
+    try:
+        cache.poll()
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
 def _rank_other_config(rank: int, init: str, out: str) -> None:
     _join(rank, init)
     # An engine sizing host pools per rank.
     cache = TieredKVCache(tp_config(4.0 if rank == 0 else 2.0), tp_group=dist.group.WORLD)
-    error = ""
-    try:
-        cache.poll()
-    except RuntimeError as e:
-        error = str(e)
-    _leave(rank, error, out)
+    _leave(rank, _poll_error(cache), out)
 
 
 @pytest.mark.timeout(240)
@@ -204,21 +212,12 @@ def _idle_pin_rank(rank: int, init: str, out: str) -> None:
     now = [0.0]
     cache = TieredKVCache(tp_config(), tp_group=dist.group.WORLD, clock=lambda: now[0])
     sys_prompt = list(range(100, 116))
-
-    def turn(tokens: list[int]) -> None:
-        req = cache.match(tokens)
-        cache.reserve(req, len(tokens) + 2)
-        cache.start_loading()
-        req.token_ids = tokens + [1, 1]
-        forward(cache, req, len(tokens) + 2)
-        cache.cache_finished_req(req)
-
     got = []
     cache.poll()
     now[0] = 1.0
     cache.poll()
     now[0] = 600.0  # ten idle minutes: no requests, no polls
-    turn(sys_prompt + [1, 2, 3])
+    turn(cache, sys_prompt + [1, 2, 3])
     h = cache.pin(sys_prompt, ttl_s=120.0)
     now[0] = 600.5
     cache.poll()  # the next step: the pin lives 120 s from this poll's agreed time
@@ -253,12 +252,7 @@ def _one_sided_rank(rank: int, init: str, which: str, out: str) -> None:
     _join(rank, init)
     cache = TieredKVCache(tp_config(), tp_group=dist.group.WORLD)
     tokens = list(range(40, 56))
-    req = cache.match(tokens)
-    cache.reserve(req, len(tokens) + 2)
-    cache.start_loading()
-    req.token_ids = tokens + [1, 1]
-    forward(cache, req, len(tokens) + 2)
-    cache.cache_finished_req(req)
+    turn(cache, tokens)
     cache.poll()
     h = cache.pin(tokens, ttl_s=100.0)
     cache.poll()
@@ -275,12 +269,7 @@ def _one_sided_rank(rank: int, init: str, which: str, out: str) -> None:
         if which == "abort":
             cache.match(tokens + [9])
             cache.match(tokens + [9])
-    error = ""
-    try:
-        cache.poll()
-    except RuntimeError as e:
-        error = str(e)
-    _leave(rank, error, out)
+    _leave(rank, _poll_error(cache), out)
 
 
 @pytest.mark.timeout(240)

@@ -61,18 +61,24 @@ SCRIPT = textwrap.dedent(
 )
 
 
+def _run(source: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``source`` as a script in a process of its own, importing this checkout, with an L3
+    root under ``tmp_path``."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    return subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "l3")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+
+
 @pytest.mark.timeout(300)
 def test_an_open_cache_does_not_abort_the_exit(tmp_path):
-    script = tmp_path / "embed.py"
-    script.write_text(SCRIPT)
     for _ in range(2):  # it aborted every time in the trial; twice to be sure
-        out = subprocess.run(
-            [sys.executable, str(script), str(tmp_path / "l3")],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
-        )
+        out = _run(SCRIPT, tmp_path)
         assert "served" in out.stdout, out.stderr[-2000:]
         assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
         assert "terminate called" not in out.stderr
@@ -129,15 +135,7 @@ def test_the_exit_hook_drops_queued_writes_and_closes_the_store_after_its_writer
     """At exit the hook cancels the queued L3 writes (a write in progress ends at its batch)
     and closes the store only once its writer thread has stopped; it used to wait out the
     writer's join timeout and then close the store under the write in progress (a review)."""
-    script = tmp_path / "slow.py"
-    script.write_text(SLOW_SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "l3")],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
-    )
+    out = _run(SLOW_SCRIPT, tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     queued = int(out.stdout.split("jobs queued: ")[1].split()[0])
     assert queued >= 2, out.stdout  # the test needs writes still queued at exit
