@@ -15,7 +15,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -206,15 +206,17 @@ def path_job(
     pools: Mapping[str, L3Pool],
     groups: Mapping[str, Sequence[str]],
     node_hashes: Callable[[TreeNode], list[str]],
-    stored: Container[tuple[str, str]],
+    stored: Mapping[tuple[str, str], int],
     pending: set[tuple[str, str]],
+    recheck_before: int,
 ) -> BackupJob | None:
     """The L3 write of ``node``'s path, or None when nothing on it is new: its pages not
     written yet (not in ``stored``, not ``pending``), and then the path's pages ``stored``
-    says were written too, which the writer checks against the store first and writes again
-    where it no longer holds them (``BackupJob.recheck``). Marks the job's pages ``pending``
-    and host-pins their nodes. ``groups``: the pools of the ``"kv"`` and ``"swa"`` groups
-    (sidecars are addressed by their anchor's host slots)."""
+    says were last known in the store before poll ``recheck_before``, which the writer checks
+    against the store first and writes again where it no longer holds them
+    (``BackupJob.recheck``); polls are counted alike on every TP rank. Marks the job's pages
+    ``pending`` and host-pins their nodes. ``groups``: the pools of the ``"kv"`` and
+    ``"swa"`` groups (sidecars are addressed by their anchor's host slots)."""
     if node.parent is None or not node.attached:
         return None
     path = []
@@ -238,16 +240,23 @@ def path_job(
     recheck: set[tuple[str, str]] = set()
     pins, pinned = [], set()
     for x, name, hashes, slots in parts:
-        keep = [i for i, h in enumerate(hashes) if (name, h) not in pending]
+        keep = []
+        for i, h in enumerate(hashes):
+            key = (name, h)
+            if key in pending:
+                continue
+            seen = stored.get(key)
+            if seen is not None:
+                if seen >= recheck_before:
+                    continue  # known in the store lately
+                recheck.add(key)
+            keep.append(i)
         if not keep:
             continue
         hs, chunks = pages.setdefault(name, ([], []))
         for i in keep:
-            key = (name, hashes[i])
-            pending.add(key)
+            pending.add((name, hashes[i]))
             hs.append(hashes[i])
-            if key in stored:
-                recheck.add(key)
         chunks.append(pools[name].pages_of(slots)[torch.tensor(keep, dtype=torch.int64)])
         if id(x) not in pinned:
             pinned.add(id(x))

@@ -60,6 +60,7 @@ __all__ = ["L3Tier", "Prefetch"]
 
 log = logging.getLogger(__name__)
 
+_RECHECK_POLLS = 256  # remembered pages are checked against the store at most this often
 _NAMESPACE_MEMORY = 4096  # request namespaces whose L3 key namespace is kept
 _STORED_MEMORY = 1 << 20  # (pool, hash) pairs remembered as already in L3
 
@@ -139,7 +140,9 @@ class L3Tier:
         self.admitting = True
         self.inflight_tokens = 0
         self._namespaces: OrderedDict[Hashable, Namespace] = OrderedDict()  # recent ones
-        self._stored: OrderedDict[tuple[str, str], None] = OrderedDict()
+        # (pool, hash) -> the poll at which the pages were last known in the store
+        self._stored: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._polls = 0  # polls applied: the same count on every rank
         self._pending: set[tuple[str, str]] = set()
         self._unrecorded: set[int] = set()  # ids of jobs in flight at a clear: not "stored"
         self._backups: deque[BackupJob] = deque()
@@ -215,6 +218,7 @@ class L3Tier:
             self.node_hashes,
             self._stored,
             self._pending,
+            self._polls - _RECHECK_POLLS,
         )
         if job is not None:
             self._backups.append(job)
@@ -246,7 +250,7 @@ class L3Tier:
         elif stored:
             for pool, (hashes, _) in job.pages.items():
                 for h in hashes:
-                    self._stored[(pool, h)] = None
+                    self._stored[(pool, h)] = self._polls
                     self._stored.move_to_end((pool, h))
         while len(self._stored) > _STORED_MEMORY:
             self._stored.popitem(last=False)
@@ -351,6 +355,7 @@ class L3Tier:
         queries, loads = self._voted
         self._voted = ([], [])
         agreed = decode(v, len(queries), len(loads))
+        self._polls += 1
         for i in range(agreed.backups_done):
             self._finish_backup(self._backups.popleft(), i < agreed.backups_stored)
         for _ in range(agreed.drained):

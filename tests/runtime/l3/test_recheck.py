@@ -9,6 +9,7 @@ import torch
 
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import CacheConfig, StorageConfig
+from kvtier.runtime.l3 import tier as tier_mod
 from kvtier.storage import PoolTransfer
 from tests.runtime.synthetic import run_turn
 
@@ -27,7 +28,8 @@ def _cache(root) -> TieredKVCache:
     return TieredKVCache(cfg)
 
 
-def test_a_remembered_page_the_store_evicted_is_written_again(tmp_path):
+def test_a_remembered_page_the_store_evicted_is_written_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(tier_mod, "_RECHECK_POLLS", 8)  # the store turns over within 60 polls
     cache = _cache(tmp_path / "l3")
     store = cache.l3.backend
     a = list(range(1000, 1015))
@@ -96,4 +98,32 @@ def test_re_checked_pages_the_store_holds_are_not_written_and_not_left_pending(t
     assert not cache.l3._pending, "pages of finished jobs left marked in flight"
     new = cache.metrics()["l3.backup_pages"] - written
     assert 0 < new < len(cache.l3.stored_pages()), new  # only the new pages were written
+    cache.close()
+
+
+def test_pages_known_in_the_store_lately_are_not_checked_again(tmp_path, monkeypatch):
+    """The re-check costs the scheduler a path's worth of books per backup: a page is checked
+    at most once per ``_RECHECK_POLLS`` polls (counted alike on every TP rank)."""
+    monkeypatch.setattr(tier_mod, "_RECHECK_POLLS", 4)
+    cache = _cache(tmp_path / "l3")
+    asked: list[int] = []
+    contains = cache.l3.backend.contains
+
+    def counted(pool, hashes):
+        asked.append(len(hashes))
+        return contains(pool, hashes)
+
+    cache.l3.backend.contains = counted
+    a = list(range(1000, 1015))
+    run_turn(cache, a)
+    cache.drain()
+    cache.poll()
+    run_turn(cache, a + [7, 7, 7, 1, 2, 3, 4])  # a poll later: A's pages were just written
+    cache.drain()
+    assert asked == [], asked
+    for _ in range(4):
+        cache.poll()
+    run_turn(cache, a + [7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8])  # four polls on: checked again
+    cache.drain()
+    assert asked and sum(asked) >= 3, asked
     cache.close()
