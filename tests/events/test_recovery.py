@@ -142,22 +142,33 @@ def test_instance_close_clears_its_index():
         ix.close()
 
 
+def _first_run(inst: str, seed: int):
+    """An instance ``inst`` and a subscriber at its index after three turns."""
+    a = make_cache("write_through", events=loopback(inst))
+    ix = subscribe(a)
+    converge(a, ix)
+    for prompt in _turns(a, seed=seed, n=3):
+        run_turn(a, prompt)
+    synced(a, ix)
+    return a, ix
+
+
+def _restart(a, inst: str):
+    """``a`` closed and a new instance of the same id on its endpoints."""
+    endpoints = {"endpoint": a.events.endpoint, "snapshot_endpoint": a.events.snapshot_endpoint}
+    a.close()
+    return make_cache("write_through", events=loopback(inst, heartbeat_s=0.1, **endpoints))
+
+
 def test_restarted_instance_replaces_its_index():
     """An instance restarted on the same endpoints numbers its batches from 0 again: the
     subscriber notices (its first batch, or numbers going back) and takes the new state."""
-    a = make_cache("write_through", events=loopback("inst-r"))
-    ix = subscribe(a)
+    a, ix = _first_run("inst-r", seed=12)
     seen: set[bytes] = set()
     try:
-        converge(a, ix)
-        for prompt in _turns(a, seed=12, n=3):
-            run_turn(a, prompt)
-        synced(a, ix)
         old = ix.held("inst-r", "CPU")
         assert old
-        endpoints = {"endpoint": a.events.endpoint, "snapshot_endpoint": a.events.snapshot_endpoint}
-        a.close()
-        b = make_cache("write_through", events=loopback("inst-r", heartbeat_s=0.1, **endpoints))
+        b = _restart(a, "inst-r")
         try:
             run_turn(b, conversations(13, n=1)[0])
             deadline = time.monotonic() + 10.0
@@ -180,20 +191,13 @@ def test_restart_whose_first_batches_were_missed_is_noticed_by_its_run():
     The next batch's number follows the old run's, so numbers alone read it as the old run's
     continuation, and the index kept the dead run's pages for good (found in a user trial).
     Every batch carries its run: the change is a restart, and a snapshot brings the new state."""
-    a = make_cache("write_through", events=loopback("inst-c"))
-    ix = subscribe(a)
+    a, ix = _first_run("inst-c", seed=14)
     seen: set[bytes] = set()
     try:
-        converge(a, ix)
-        for prompt in _turns(a, seed=14, n=3):
-            run_turn(a, prompt)
-        synced(a, ix)
         old, last = ix.held("inst-c", "CPU"), ix.seq("inst-c")
         assert old and last is not None
         _lossy(a, lambda seq: b"")  # the crash: nothing more leaves, not even the close's batch
-        endpoints = {"endpoint": a.events.endpoint, "snapshot_endpoint": a.events.snapshot_endpoint}
-        a.close()
-        b = make_cache("write_through", events=loopback("inst-c", heartbeat_s=0.1, **endpoints))
+        b = _restart(a, "inst-c")
         try:
             missed = _lossy(b, lambda seq: b"" if seq <= last else None)
             deadline = time.monotonic() + 10.0
@@ -259,19 +263,12 @@ def test_sync_with_the_run_waits_for_the_new_run_after_a_restart():
     number reads as synced with the new run's (a user trial: ``sync`` returned at once and
     the router estimated the old run's pages). ``sync(..., run=cache.events.run)`` waits for
     the index of that run."""
-    a = make_cache("write_through", events=loopback("inst-s"))
-    ix = subscribe(a)
+    a, ix = _first_run("inst-s", seed=16)
     try:
-        converge(a, ix)
-        for prompt in _turns(a, seed=16, n=3):
-            run_turn(a, prompt)
-        synced(a, ix)
         old_seq = ix.seq("inst-s")
         assert old_seq is not None and old_seq >= 1
-        endpoints = {"endpoint": a.events.endpoint, "snapshot_endpoint": a.events.snapshot_endpoint}
         old_run = a.events.run
-        a.close()
-        b = make_cache("write_through", events=loopback("inst-s", heartbeat_s=0.1, **endpoints))
+        b = _restart(a, "inst-s")
         try:
             assert b.events.run != old_run
             target = min(old_seq, max(b.events.seq, 0))  # a number the old run already passed

@@ -44,19 +44,10 @@ def _rank(rank: int, init: str, agree: bool, out: str, gpus: bool) -> None:
     device = f"cuda:{rank}" if gpus else "cpu"  # data on each rank's GPU; agreement on gloo
     if gpus:
         torch.cuda.set_device(rank)
-    cfg = CacheConfig(
-        layer_kinds=("full", "full"),
-        kv_heads=1,
-        head_dim=4,
-        page_size=4,
-        device_tokens=64,
-        dtype=torch.float32,
-        host_ratio=4.0,
-        write_policy="write_through",
-        device=device,
-    )
     cache = TieredKVCache(
-        cfg, tp_group=dist.group.WORLD if agree else None, ack_delay_steps=2 if rank == 1 else 0
+        tp_config(device=device),
+        tp_group=dist.group.WORLD if agree else None,
+        ack_delay_steps=2 if rank == 1 else 0,
     )
     same = []
     for step in range(STEPS):
