@@ -291,12 +291,13 @@ class PageViews:
 
     def __init__(self, pages: Sequence[Sequence[torch.Tensor]]) -> None:
         self._pages = pages
-        self._counts = [len(parts) for parts in pages]
-        flat = [p for parts in pages for p in parts]
+        # C loops (map) where a batch's parts are walked: ~0.1 us a part against ~0.4.
+        self._counts = list(map(len, pages))
+        flat = list(itertools.chain.from_iterable(pages))
         self._single = self._counts.count(1) == len(pages)  # one part each: part k is page k
         self._first = None if self._single else [0, *itertools.accumulate(self._counts)]
-        self._ptrs = [p.data_ptr() for p in flat]
-        self._sizes = [p.numel() for p in flat]
+        self._ptrs = list(map(torch.Tensor.data_ptr, flat))
+        self._sizes = list(map(torch.Tensor.numel, flat))
         # Region of each part: (address of a view's first byte, the view); a part whose bytes
         # lie in the first part's storage shares its region (the storage stays referenced here
         # while the views exist, as does every other region's).
@@ -351,6 +352,14 @@ class PageViews:
         out._ptrs, out._sizes = self._ptrs[a:b], self._sizes[a:b]
         out._keep, out._regions, out._region = self._keep, self._regions, self._region[a:b]
         return out
+
+    def single(self) -> bool:
+        """Whether every page is one part (then part ``i`` is page ``i``)."""
+        return self._single
+
+    def addresses(self) -> list[int]:
+        """Each part's address (shared with this object: not to be changed)."""
+        return self._ptrs
 
     def counts(self) -> list[int]:
         """How many parts each page has (shared with this object: not to be changed)."""

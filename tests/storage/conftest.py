@@ -22,6 +22,7 @@ import torch
 
 from kvtier.metrics import TierMetrics
 from kvtier.storage import StorageBackend, create_backend
+from kvtier.storage.segments import native
 
 MASTER_START_TIMEOUT_S = 20.0
 ARENA_BYTES = 48 << 20  # host memory all test pages are carved from; registered once
@@ -200,3 +201,23 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageB
     shared.metrics = TierMetrics()
     yield shared
     shared.clear()
+
+
+@pytest.fixture(params=["native", "python"])
+def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The segment store's batch loops: in C (``segments.native``; skipped where it cannot be
+    built, failed in CI) or in Python. A module runs every test both ways with
+    ``pytestmark = pytest.mark.usefixtures("loops")``."""
+    if request.param == "python":
+        monkeypatch.setattr(native, "library", lambda: None)
+    elif not native.available():
+        if os.environ.get("CI") == "true":
+            pytest.fail("the segment store's native loops did not build in CI", pytrace=False)
+        pytest.skip("the segment store's native loops are not built here")
+    return request.param
+
+
+@pytest.fixture
+def python_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The segment store's batch loops in Python (a test that hooks one of their calls)."""
+    monkeypatch.setattr(native, "library", lambda: None)

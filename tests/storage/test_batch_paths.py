@@ -22,6 +22,8 @@ from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES
 from kvtier.storage.segments.reader import _adjacent, _adjacent_chunks, _chunks, _plan
 from kvtier.storage.segments.writer import layout
 
+pytestmark = pytest.mark.usefixtures("loops")  # the C loops and the Python loops
+
 NS = Namespace("test-model", "bfloat16", 4, "page_first")
 
 

@@ -32,6 +32,8 @@ from kvtier.storage.base import MAX_KEY_LENGTH, Parts, validate_key
 from kvtier.storage.file_backend import FilePerPageBackend as FileBackend
 from kvtier.storage.page_format import HEADER_SIZE
 
+pytestmark = pytest.mark.usefixtures("loops")  # the C loops and the Python loops
+
 
 def per_page(
     *, scope: KeyScope | None = None, metrics: TierMetrics | None = None, **config: object

@@ -114,11 +114,12 @@ def test_no_compaction_above_the_threshold_or_when_off(tmp_path: Path) -> None:
 
 
 def test_compaction_never_frees_bytes_under_a_read_in_flight(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_loops: None
 ) -> None:
     """Another backend on the root (its own descriptors and books, as another process has)
     reads the live pages of the half-dead segment; its read is held inside ``preadv`` while the
-    writer compacts and deletes that segment, then completes with every byte right."""
+    writer compacts and deletes that segment, then completes with every byte right. (The
+    Python loops, whose ``preadv`` can be held; the C loops read under the same pins.)"""
     root = tmp_path / "l3"
     w, first = half_dead(root)
     r = store(root)  # opened after the damage: it still indexes all eight records of ``first``

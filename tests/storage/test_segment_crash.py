@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
-from kvtier.storage.segments import SegmentBackend
+from kvtier.storage.segments import SegmentBackend, native
 from kvtier.storage.segments.format import ENTRY_SIZE, RECORD_HEAD
 from kvtier.storage.segments.writer import LANE_MIN_RECORD
 
@@ -106,6 +106,7 @@ def killed_writer(tmp_path: Path, budget: int, page: int, batch: int, segment: i
         text=True,
         timeout=60,
         cwd=Path(__file__).resolve().parents[2],
+        env=os.environ | {native.ENV_DISABLE: "0"},  # the Python loops, whose pwritev it hooks
     )
     assert proc.returncode == -9, f"the writer was to be killed: {proc.returncode} {proc.stderr}"
     return len(progress.read_text().split()) if progress.exists() else 0

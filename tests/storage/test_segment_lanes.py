@@ -21,6 +21,8 @@ from kvtier.storage.segments import writer as writer_mod
 from kvtier.storage.segments.index import NAME
 from kvtier.storage.segments.io import RUN_BYTES
 
+pytestmark = pytest.mark.usefixtures("loops")  # the C loops and the Python loops
+
 NS = Namespace("lanes-test", "bfloat16", 4, "page_first")
 PAGE = writer_mod.LANE_MIN_RECORD  # pages large enough to be split among lanes
 BATCH = 4 * RUN_BYTES // PAGE  # pages of a batch big enough for two lanes

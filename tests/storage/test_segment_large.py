@@ -14,7 +14,7 @@ import xxhash
 
 from kvtier.storage import Namespace, PoolTransfer, create_backend, page_format, page_hashes
 from kvtier.storage.page_format import Xxh3Stream, buffer_of, xxh3_stream
-from kvtier.storage.segments import SegmentBackend
+from kvtier.storage.segments import SegmentBackend, native
 from kvtier.storage.segments import writer as writer_module
 from kvtier.storage.segments.io import RUN_BYTES, pieces
 
@@ -105,6 +105,7 @@ def use_stream(kind: str, monkeypatch: pytest.MonkeyPatch) -> list[int]:
         pytest.skip("no streaming XXH3 through ctypes here")
     if kind == "hasher":
         monkeypatch.setattr(page_format, "_STREAM", None)
+    monkeypatch.setattr(native, "library", lambda: None)  # the Python loops hash in pieces
     seen = [0]
     update = Xxh3Stream.update
 
@@ -191,7 +192,7 @@ def test_cut_and_foreign_large_records_are_misses(tmp_path: Path) -> None:
 
 
 def test_crc32_and_unstreamed_large_records_are_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, python_loops: None
 ) -> None:
     """Records written without the streaming path (no ctypes streaming, or CRC-32 where xxhash
     is missing) are verified by the whole-page check, with the algorithm their entry names."""

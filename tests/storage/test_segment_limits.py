@@ -21,6 +21,8 @@ from kvtier.storage.segments import space as space_module
 from kvtier.storage.segments.format import RECORD_HEAD
 from kvtier.storage.segments.io import IOV_MAX
 
+pytestmark = pytest.mark.usefixtures("loops")  # the C loops and the Python loops
+
 NS = Namespace("limits-test", "bfloat16", 4, "page_first")
 PAGE = 4096
 H = page_hashes(range(4 * 256), NS)  # 256 pages

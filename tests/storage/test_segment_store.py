@@ -27,6 +27,8 @@ from kvtier.storage.segments import SegmentBackend
 from kvtier.storage.segments.format import ENTRY_SIZE, RECORD_HEAD
 from kvtier.storage.segments.index import Index
 
+pytestmark = pytest.mark.usefixtures("loops")  # the C loops and the Python loops
+
 NS = Namespace("segment-test", "bfloat16", 4, "page_first")
 PAGE = 4096
 CALL_BOUND_S = 10.0  # a storage call that takes longer than this is hung, not slow
@@ -887,7 +889,7 @@ def test_close_under_load_from_other_threads(root: Path) -> None:
     again.close()
 
 
-def test_collection_does_not_join_the_io_threads(root: Path, monkeypatch) -> None:
+def test_collection_does_not_join_the_io_threads(root: Path, monkeypatch, python_loops) -> None:
     """A store collected as garbage closes without joining its IO threads: a collection can run
     inside ``threading``'s bookkeeping of a thread starting, holding a lock the exiting threads
     need (the suite once hung there); they are told to stop and exit on their own."""

@@ -43,6 +43,10 @@ class SegmentBackendConfig:
     verify: when a read checks a record's checksum: ``"always"``, or ``"once"`` per record this
         process did not see written completely (its own appends are trusted, another's record
         once it verified). ``"once"`` trusts the disk not to change bytes it has returned.
+    native: run a batch's runs (syscalls, checksums, the journal's entries) in the C loops of
+        ``native_io.c``, built on first use with the system C compiler (``segments.native``),
+        without the GIL; where they cannot be built, or with False, the same loops run in Python.
+        Both write and read the same bytes.
     The time knobs (``lock_timeout_s``, ``touch_interval_s``, ``list_interval_s``) take seconds
     in [0, 1e6].
 
@@ -80,6 +84,7 @@ class SegmentBackendConfig:
     list_interval_s: float = 0.1
     compact_below: float = 0.5
     open_segments: int = 256
+    native: bool = True
 
     def __post_init__(self) -> None:
         for name in ("capacity_bytes", "segment_bytes", "io_threads", "open_segments"):
@@ -105,6 +110,10 @@ class SegmentBackendConfig:
         if cap is not None and seg is not None and seg > cap:
             raise ValueError(f"segment_bytes must be at most capacity_bytes ({cap}), got {seg}")
         check_modes(self)
+        if not isinstance(self.native, bool):
+            raise TypeError(
+                f"native must be a bool, got {type(self.native).__name__} {self.native!r}"
+            )
         if self.verify not in ("always", "once"):
             raise ValueError(f"verify must be 'always' or 'once', got {self.verify!r}")
         for name in ("lock_timeout_s", "touch_interval_s", "list_interval_s"):

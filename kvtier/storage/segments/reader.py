@@ -17,12 +17,16 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+import numpy as np
+
 from kvtier.storage.base import Parts
 from kvtier.storage.page_format import XXH3, PageViews, checksum_matches, xxh3_stream
+from kvtier.storage.segments import native
 from kvtier.storage.segments.index import Index, Loc, Segment
 from kvtier.storage.segments.io import IOV_MAX, RUN_BYTES, pieces, read_all, run_shared
 
@@ -45,6 +49,8 @@ class _Plan(NamedTuple):
     sums: Sequence[tuple[int, int]]
     trusting: bool
     used: set[Segment]
+    algorithms: Sequence[int]
+    checksums: Sequence[int]
 
 
 def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
@@ -78,7 +84,16 @@ def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
         where = [rank.get(seg, 0) | offset for seg, offset in zip(segs, offsets)]
         order.sort(key=where.__getitem__)
     return _Plan(
-        order, segs, offsets, sizes, trusted, list(zip(algorithms, checksums)), any(trusted), used
+        order,
+        segs,
+        offsets,
+        sizes,
+        trusted,
+        list(zip(algorithms, checksums)),
+        any(trusted),
+        used,
+        algorithms,
+        checksums,
     )
 
 
@@ -91,9 +106,11 @@ class Reader:
         pool: Callable[[], ThreadPoolExecutor | None],
         helpers: int,
         verify_once: bool,
+        native_loops: bool = True,
     ) -> None:
         self._index, self._pool, self._helpers = index, pool, helpers
         self._verify_once = verify_once
+        self._native = native_loops  # the C loops where they are built (native.available())
 
     def read(self, keys: list[str], pages: list[Parts]) -> tuple[list[bool], int]:
         """Read each key's record into its page; per page whether it was served, and how many
@@ -130,7 +147,15 @@ class Reader:
         out = [False] * len(keys)
         bad: list[int] = []
         try:
-            if plan is not None:
+            lib = native.library() if plan is not None and self._native else None
+            if (
+                lib is not None
+                and views.single()
+                and not plan.trusting  # type: ignore[union-attr]
+                and set(plan.algorithms) == {XXH3}  # type: ignore[union-attr]
+            ):
+                self._read_native(lib, plan, views, fds, out, bad)  # type: ignore[arg-type]
+            elif plan is not None:
                 bounds = _chunks(plan.order, lengths)
                 adjacent = _adjacent_chunks(plan, bounds, views.counts())
                 read = self._read_chunk
@@ -152,6 +177,48 @@ class Reader:
                     if fd >= 0:
                         index.unpin_locked(seg)
         return out, len(bad)
+
+    def _read_native(
+        self,
+        lib: object,
+        plan: _Plan,
+        views: PageViews,
+        fds: dict[Segment, int],
+        out: list[bool],
+        bad: list[int],
+    ) -> None:
+        """The batch's runs in one call of the C loops (``native``): the same runs, reads and
+        checks as ``_read_chunk``'s, on this thread and ``helpers`` of the library's own."""
+        order = np.asarray(plan.order, dtype=np.intp)
+        if len(plan.used) == 1:
+            fd = np.full(len(order), fds[next(iter(plan.used))], dtype=np.int32)
+        else:
+            segs = plan.segs
+            fd = np.fromiter((fds[segs[i]] for i in plan.order), dtype=np.int32, count=len(order))
+        status, err = native.read(
+            lib,
+            fd,
+            np.asarray(plan.offsets, dtype=np.int64)[order],
+            np.asarray(views.addresses(), dtype=np.uint64)[order],
+            np.asarray(plan.lengths, dtype=np.uint64)[order],
+            np.asarray(plan.checksums, dtype=np.uint64)[order],
+            RUN_BYTES,
+            self._helpers + 1,
+        )
+        if err:
+            log.warning(
+                "segment store %s: reads of %d records failed: %s",
+                self._index.root,
+                int((status == 3).sum()),
+                os.strerror(err),
+            )
+        if (status == 1).all():  # every page verified: the common case
+            for i in plan.order:
+                out[i] = True
+            return
+        for k in np.flatnonzero(status == 1).tolist():
+            out[plan.order[k]] = True
+        bad.extend(plan.order[k] for k in np.flatnonzero(status == 2).tolist())
 
     def _read_chunk(
         self,

@@ -324,6 +324,7 @@ class SegmentBackend(StorageBackend):
             lambda: self._io_pool("read"),
             config.io_threads,
             config.verify == "once",
+            config.native,
         )
         self._writer = Writer(
             config,

@@ -33,6 +33,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvtier.storage.base import MAX_KEY_LENGTH
 from kvtier.storage.page_format import (
     XXH3,
@@ -41,6 +43,7 @@ from kvtier.storage.page_format import (
     payload_checksum,
     xxh3_stream,
 )
+from kvtier.storage.segments import native
 from kvtier.storage.segments.config import SegmentBackendConfig
 from kvtier.storage.segments.format import (
     ENTRY_SIZE,
@@ -160,6 +163,7 @@ class Lane:
         self._name, self._roll_lock = name, roll_lock
         self._numbers = 0
         self._active: _Active | None = None
+        self.native = config.native  # the C loops where they are built (native.available())
 
     @property
     def active(self) -> Segment | None:
@@ -257,19 +261,46 @@ class Lane:
 
             return write_run
 
-        jobs = [job(r) for r in range(len(runs))]
-        run_shared(self._pool() if helpers else None, helpers, jobs)
+        lib = native.library() if self.native and views is not None and views.single() else None
+        if lib is not None:  # the same runs, hashes and writes in one call of the C loops
+            table = native.make_runs(
+                [fd] * len(runs),
+                [offset for _, _, offset in runs],
+                [lo - j for lo, _, _ in runs],
+                [hi - lo for lo, hi, _ in runs],
+            )
+            addr = np.asarray(views.addresses()[j:k], dtype=np.uint64)  # type: ignore[union-attr]
+            got = native.write(
+                lib, table, addr, np.asarray(lengths[j:k], dtype=np.uint64), helpers + 1
+            ).tolist()
+            for r in np.flatnonzero(table["err"]).tolist():
+                log.warning(
+                    "segment store %s: append to %s failed: %s",
+                    self._space.root,
+                    act.seg.stem,
+                    os.strerror(int(table["err"][r])),
+                )
+                failed.append(r)
+        else:
+            jobs = [job(r) for r in range(len(runs))]
+            run_shared(self._pool() if helpers else None, helpers, jobs)
         # Only records before the first failed run are journaled; the segment takes no more.
-        # Their entries are packed here for the whole batch at once (one numpy record array).
+        # Their entries are packed here for the whole batch at once.
         last = min(failed) if failed else len(runs)
         stored = runs[last][0] if failed else k
         if failed:
             act.full = True
         n = stored - j
-        algorithms, checksums = zip(*sums[:n]) if n else ((), ())
-        journal = encode_entries(
-            keys[j:stored], offsets[:n], lengths[j:stored], now, algorithms, checksums
-        )
+        if lib is not None:
+            algorithms, checksums = [XXH3] * n, got[:n]
+            journal = native.encode_entries(
+                lib, keys[j:stored], offsets[:n], lengths[j:stored], now, algorithms, checksums
+            )
+        else:
+            algorithms, checksums = zip(*sums[:n]) if n else ((), ())  # type: ignore[assignment]
+            journal = encode_entries(
+                keys[j:stored], offsets[:n], lengths[j:stored], now, algorithms, checksums
+            )
         try:
             if journal:
                 write_all(act.jfd, [journal], act.jend)  # after the bytes it describes

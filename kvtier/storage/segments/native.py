@@ -1,0 +1,332 @@
+"""The segment store's batch loops in C (``native_io.c``), built on first use, and their callers.
+
+A batch's runs cost ~2 us of Python each and a page ~1-2 us more (the iovecs, the checksums, the
+bookkeeping of results), in the thread that also holds the GIL the other IO thread needs: at
+64 KiB pages that was a third of a batch's time (``profiling/results/bench_storage.md``, run L).
+Here one ``ctypes`` call moves and hashes a whole batch's runs, on the caller's thread and helper
+threads of its own, without the GIL.
+
+**Built on first use.** ``native_io.c`` is compiled with the system C compiler (``$CC``, else
+``cc``) into a cache directory, as Triton builds its launchers: ``$KVTIER_CACHE_DIR``, else
+``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``. The library's name is the hash of its
+source, flags and machine, so an edited source builds anew. The directory is created ``0700``;
+one that other users could write into, or owned by another user, is not used (a planted library
+would run as this process). The build goes to a temporary name and is renamed into place, so
+processes building at once each load a whole library. Where no compiler works, the library fails
+its self-test, ``$KVTIER_NATIVE=0`` is set, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the
+store runs the same loops in Python (``available()`` is False); results are identical.
+
+The checksum is the ``xxhash`` binding's own XXH3-64, called by address from C, so a record
+written by either path verifies on the other.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.storage.segments.format import ENTRY_SIZE
+
+__all__ = [
+    "ENV_DISABLE",
+    "RUN",
+    "available",
+    "encode_entries",
+    "library",
+    "make_runs",
+    "read",
+    "write",
+]
+
+log = logging.getLogger(__name__)
+
+ENV_DISABLE = "KVTIER_NATIVE"
+"""Set to ``0`` to run the segment store's loops in Python."""
+_SOURCE = Path(__file__).with_name("native_io.c")
+_FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c11", "-Wall")
+_ABI = 1
+_BUILD_TIMEOUT_S = 120.0
+
+RUN = np.dtype(
+    [("offset", "<i8"), ("fd", "<i4"), ("first", "<i4"), ("count", "<i4"), ("err", "<i4")]
+)
+"""One run (``kvt_run``): ``count`` records back to back in file ``fd`` from ``offset``; ``err``
+comes back 0 or the errno of the run's failed syscall."""
+
+_lock = threading.Lock()
+_loaded: list[object] = []  # [library or None] once tried
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("KVTIER_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvtier"
+
+
+def _private_dir(path: Path) -> bool:
+    """Create ``path`` (0700) if missing; whether it is a directory of this user's that nobody
+    else can write into (a library planted there would run in this process)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (
+        stat.S_ISDIR(st.st_mode)
+        and st.st_uid == os.geteuid()
+        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    )
+
+
+def _xxh3_address() -> int | None:
+    """The address of the ``xxhash`` binding's one-shot XXH3-64 (the dispatching one where it
+    is exported), checked against the binding's own digest; None where missing or different."""
+    try:
+        import xxhash
+
+        lib = ctypes.CDLL(xxhash._xxhash.__file__)
+    except (ImportError, OSError, AttributeError):
+        return None
+    for name in ("XXH3_64bits_dispatch", "XXH3_64bits"):
+        fn = getattr(lib, name, None)
+        if fn is None:
+            continue
+        fn.restype, fn.argtypes = ctypes.c_uint64, (ctypes.c_void_p, ctypes.c_size_t)
+        ok = True
+        for n in (1, 17, 129, 241, 4096, 65536 + 3):
+            probe = (ctypes.c_ubyte * n).from_buffer_copy(bytes(i * 11 % 251 for i in range(n)))
+            if fn(ctypes.addressof(probe), n) != xxhash.xxh3_64_intdigest(probe):
+                ok = False
+                break
+        if ok:
+            return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
+def _build(target: Path) -> bool:
+    """Compile ``native_io.c`` to ``target`` (through a temporary name); whether it worked."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return False
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=_BUILD_TIMEOUT_S,
+            check=False,
+        )
+        if done.returncode != 0:
+            log.info("segment store: native loops not built (%s): %s", cc, done.stderr[-2000:])
+            return False
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, target)
+        return True
+    except (OSError, subprocess.SubprocessError) as e:
+        log.info("segment store: native loops not built (%s): %s", cc, e)
+        return False
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load() -> object | None:
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        return None
+    hash_at = _xxh3_address()
+    if hash_at is None:
+        return None
+    source = _SOURCE.read_bytes()
+    tag = hashlib.sha256(
+        source + repr((_FLAGS, platform.machine(), platform.libc_ver())).encode()
+    ).hexdigest()[:16]
+    where = _cache_dir()
+    if not _private_dir(where):
+        log.info("segment store: cache %s is not private to this user: native loops off", where)
+        return None
+    target = where / f"native_io-{tag}.so"
+    try:
+        if not target.exists() and not _build(target):
+            return None
+        st = os.lstat(target)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        log.info("segment store: native loops not loaded: %s", e)
+        return None
+    if lib.kvt_abi() != _ABI:
+        return None
+    vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
+    lib.kvt_read_records.restype = i32
+    lib.kvt_read_records.argtypes = (vp, vp, vp, vp, vp, vp, i32, ctypes.c_int64, i32, vp, vp)
+    lib.kvt_write.restype = i32
+    lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, i32, vp)
+    lib.kvt_encode_entries.restype = ctypes.c_int64
+    lib.kvt_encode_entries.argtypes = (vp, vp, i32, vp, vp, u64, vp, vp, vp)
+    lib.hash_at = hash_at
+    if not _self_test(lib):
+        log.warning("segment store: native loops at %s failed their self-test: off", target)
+        return None
+    return lib
+
+
+def _self_test(lib) -> bool:
+    """A write and a read back through a temporary file, and journal entries, against the
+    Python loops' results."""
+    import xxhash
+
+    from kvtier.storage.segments import format as fmt
+
+    sizes = [5000, 4999, 5001, 0, 70_000]
+    total = sum(sizes)
+    data = np.frombuffer(bytes(i * 13 % 251 for i in range(total)), dtype=np.uint8).copy()
+    back = np.zeros_like(data)
+    at = np.cumsum([0, *sizes[:-1]]).astype(np.uint64)
+    n = np.asarray(sizes, dtype=np.uint64)
+    try:
+        with tempfile.TemporaryFile() as f:
+            runs = make_runs([f.fileno()] * 2, [0, sum(sizes[:3])], [0, 3], [3, 2])
+            sums = write(lib, runs, data.ctypes.data + at, n, 2)
+            want = [xxhash.xxh3_64_intdigest(data[a : a + s].tobytes()) for a, s in zip(at, sizes)]
+            if runs["err"].any() or sums.tolist() != want:
+                return False
+            fds = np.full(len(sizes), f.fileno(), dtype=np.int32)
+            status, err = read(
+                lib, fds, at.astype(np.int64), back.ctypes.data + at, n, sums, 4096, 2
+            )
+    except OSError:
+        return False
+    keys = ["a" * 64, "b" * 70]
+    entries = encode_entries(lib, keys, [4096, 0], [65536, 7], 123, [1, 2], [2**64 - 1, 5])
+    return (
+        status.tolist() == [1] * len(sizes)
+        and err == 0
+        and bytes(back) == bytes(data)
+        and entries == fmt.encode_entries(keys, [4096, 0], [65536, 7], 123, [1, 2], [2**64 - 1, 5])
+    )
+
+
+def library() -> object | None:
+    """The loaded library (built first if needed), or None where the loops run in Python."""
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                try:
+                    lib = _load()
+                except Exception:  # never fatal: the Python loops do the same work
+                    log.exception("segment store: native loops off")
+                    lib = None
+                _loaded.append(lib)
+    return _loaded[0]  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """Whether the native loops are in use."""
+    return library() is not None
+
+
+def make_runs(fds, offsets, first, count) -> np.ndarray:
+    """``RUN`` records: run ``r`` is ``count[r]`` records from record ``first[r]``, back to back
+    in file ``fds[r]`` from ``offsets[r]``."""
+    out = np.zeros(len(fds), dtype=RUN)
+    out["fd"], out["offset"], out["first"], out["count"] = fds, offsets, first, count
+    return out
+
+
+def read(
+    lib,
+    fds: np.ndarray,
+    offsets: np.ndarray,
+    addr: np.ndarray,
+    lengths: np.ndarray,
+    sums: np.ndarray,
+    run_bytes: int,
+    threads: int,
+) -> tuple[np.ndarray, int]:
+    """Read records sorted by file and offset (``fds`` int32, ``offsets`` int64) into ``addr``
+    (``lengths`` bytes each; uint64) and check each against ``sums`` (XXH3-64, uint64), on up
+    to ``threads`` threads, in runs of back-to-back records cut at about ``run_bytes``: per
+    record 1 (served), 2 (failed verification, or cut short by the file's end), 3 (its read
+    failed) or 0 (not read: a negative descriptor); and the errno of the first failed read (0
+    if none)."""
+    status = np.zeros(len(addr), dtype=np.uint8)
+    err = ctypes.c_int32(0)
+    got = lib.kvt_read_records(
+        fds.ctypes.data,
+        offsets.ctypes.data,
+        addr.ctypes.data,
+        lengths.ctypes.data,
+        sums.ctypes.data,
+        status.ctypes.data,
+        len(addr),
+        run_bytes,
+        threads,
+        lib.hash_at,
+        ctypes.byref(err),
+    )
+    if got == -2:
+        raise MemoryError("segment store: no memory for a batch's runs")
+    return status, err.value
+
+
+def write(lib, runs: np.ndarray, addr: np.ndarray, lengths: np.ndarray, threads: int) -> np.ndarray:
+    """Hash each record at ``addr`` (``lengths`` bytes; uint64 arrays) and write ``runs``, on up
+    to ``threads`` threads; each record's XXH3-64 (a run whose write failed has its errno in
+    ``err``)."""
+    sums = np.zeros(len(addr), dtype=np.uint64)
+    lib.kvt_write(
+        runs.ctypes.data,
+        len(runs),
+        addr.ctypes.data,
+        lengths.ctypes.data,
+        sums.ctypes.data,
+        threads,
+        lib.hash_at,
+    )
+    return sums
+
+
+def encode_entries(lib, keys, offsets, lengths, time_ns: int, algorithms, checksums) -> bytes:
+    """``format.encode_entries``, in one C call: the same bytes."""
+    n = len(keys)
+    if not n:
+        return b""
+    raw = "".join(keys).encode("ascii")
+    starts = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, keys), dtype=np.int64, count=n), out=starts[1:])
+    out = bytearray(len(raw) + n * ENTRY_SIZE)
+    off = np.asarray(offsets, dtype=np.uint64)
+    size = np.asarray(lengths, dtype=np.uint64)
+    alg = np.asarray(algorithms, dtype=np.uint8)
+    sums = np.asarray(checksums, dtype=np.uint64)
+    buf = (ctypes.c_char * len(out)).from_buffer(out)
+    got = lib.kvt_encode_entries(
+        raw,
+        starts.ctypes.data,
+        n,
+        off.ctypes.data,
+        size.ctypes.data,
+        time_ns,
+        alg.ctypes.data,
+        sums.ctypes.data,
+        ctypes.addressof(buf),
+    )
+    del buf
+    assert got == len(out)
+    return bytes(out)

@@ -1,0 +1,267 @@
+/* The segment store's batch loops in C: a batch's runs of records read or written with one
+ * preadv / pwritev each and every record hashed, on the calling thread and helper threads, all
+ * without Python's GIL (the caller goes through ctypes, which releases it for the whole call).
+ *
+ * Built on first use by kvtier.storage.segments.native with the system C compiler; the store
+ * runs the same loops in Python where no compiler is found. No Python API is used here.
+ *
+ * Records: arrays indexed by record, in file order within each run. A run is `count` records
+ * lying back to back in one file from `offset`; its records' buffers are `addr[i]`, `len[i]`
+ * bytes each (buffers next to each other in memory become one iovec). The checksum is XXH3-64,
+ * through the function pointer the caller passes (the xxhash binding's own), so both paths
+ * hash with the same code.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#define KVT_ABI 1
+#define KVT_IOV 1024   /* iovecs per syscall (Linux's IOV_MAX) */
+#define KVT_THREADS 8  /* most threads one call uses, the caller's included */
+
+typedef uint64_t (*kvt_hash)(const void *, size_t);
+
+typedef struct {
+    int64_t offset; /* file offset of the run's first record */
+    int32_t fd;
+    int32_t first;  /* first record */
+    int32_t count;  /* records */
+    int32_t err;    /* out: 0, or the errno of a failed syscall (the run's records unserved) */
+} kvt_run;
+
+int kvt_abi(void) { return KVT_ABI; }
+
+/* The run's buffers as iovecs, neighbours in memory merged; how many (at most `cap`; records
+ * beyond that go in the next syscall of the run). *upto: the record after the last taken. */
+static int fill(const kvt_run *r, const uint64_t *addr, const uint64_t *len, int from,
+                struct iovec *iov, int cap, int *upto) {
+    int n = 0, i = from, end = r->first + r->count;
+    for (; i < end; i++) {
+        if (!len[i]) continue;
+        char *a = (char *)(uintptr_t)addr[i];
+        if (n && (char *)iov[n - 1].iov_base + iov[n - 1].iov_len == a) {
+            iov[n - 1].iov_len += len[i];
+            continue;
+        }
+        if (n == cap) break;
+        iov[n].iov_base = a;
+        iov[n].iov_len = len[i];
+        n++;
+    }
+    *upto = i;
+    return n;
+}
+
+/* Move `want` bytes between iov[0..n) and the file from `offset`, continuing short transfers;
+ * the bytes moved (fewer only at the end of the file on a read), or -errno. */
+static int64_t move_all(int write, int fd, struct iovec *iov, int n, int64_t offset,
+                        int64_t want) {
+    int64_t done = 0;
+    while (done < want) {
+        ssize_t got = write ? pwritev(fd, iov, n, offset + done) : preadv(fd, iov, n, offset + done);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (got == 0) {
+            if (write) return -EIO;
+            break; /* the file ends here */
+        }
+        done += got;
+        while (n && (size_t)got >= iov->iov_len) { /* drop what moved */
+            got -= iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n) {
+            iov->iov_base = (char *)iov->iov_base + got;
+            iov->iov_len -= got;
+        }
+    }
+    return done;
+}
+
+typedef struct {
+    int write;
+    kvt_run *runs;
+    int nruns;
+    const uint64_t *addr, *len;
+    uint64_t *sums;    /* read: each record's expected checksum; write: out, each's checksum */
+    uint8_t *status;   /* read only, out: 1 served, 2 failed verification, 0 not read */
+    kvt_hash hash;
+    int next;          /* the next run nobody took */
+} kvt_job;
+
+static void one_run(kvt_job *job, kvt_run *r) {
+    struct iovec iov[KVT_IOV];
+    const uint64_t *addr = job->addr, *len = job->len;
+    int end = r->first + r->count, i = r->first;
+    int64_t pos = r->offset;
+    if (job->write) /* hash first: the write then copies the bytes from this core's cache */
+        for (int k = r->first; k < end; k++) job->sums[k] = job->hash((void *)(uintptr_t)addr[k], len[k]);
+    while (i < end) {
+        int upto, n = fill(r, addr, len, i, iov, KVT_IOV, &upto);
+        int64_t want = 0;
+        for (int k = i; k < upto; k++) want += len[k];
+        int64_t got = n ? move_all(job->write, r->fd, iov, n, pos, want) : 0;
+        if (got < 0) {
+            r->err = (int)-got;
+            return;
+        }
+        if (!job->write) {
+            int64_t at = pos, stop = pos + got;
+            for (int k = i; k < upto; k++) {
+                if (at + (int64_t)len[k] > stop) job->status[k] = 2; /* the file ends inside it */
+                else job->status[k] = job->hash((void *)(uintptr_t)addr[k], len[k]) == job->sums[k] ? 1 : 2;
+                at += len[k];
+            }
+            if (got < want) {
+                for (int k = upto; k < end; k++) job->status[k] = 2;
+                return;
+            }
+        }
+        pos += want;
+        i = upto;
+    }
+}
+
+static void *drain(void *arg) {
+    kvt_job *job = arg;
+    for (;;) {
+        int j = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        if (j >= job->nruns) return NULL;
+        one_run(job, &job->runs[j]);
+    }
+}
+
+/* Every run once, on this thread and up to threads-1 helpers; 0, or -1 if no helper could be
+ * started (the runs still all ran, on this thread). */
+static int run_all(kvt_job *job, int threads) {
+    pthread_t helpers[KVT_THREADS];
+    int started = 0, ret = 0;
+    if (threads > KVT_THREADS) threads = KVT_THREADS;
+    if (threads > job->nruns) threads = job->nruns;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&helpers[started], NULL, drain, job) != 0) {
+            ret = -1;
+            break;
+        }
+        started++;
+    }
+    drain(job);
+    for (int t = 0; t < started; t++) pthread_join(helpers[t], NULL);
+    return ret;
+}
+
+/* Read records i = 0..n-1 (sorted by file and offset: fd[i], off[i]; into addr[i], len[i] bytes)
+ * and check each against sums[i]: status[i] = 1 served, 2 failed verification or cut short by
+ * the file's end, 3 the read failed (*err: its errno), 0 not read (fd[i] < 0). Runs are cut here:
+ * records back to back in one file, a new run where the bytes before a record (from its file
+ * run's start) cross a multiple of run_bytes, and around a record larger than run_bytes. */
+int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr,
+                     const uint64_t *len, const uint64_t *sums, uint8_t *status, int n,
+                     int64_t run_bytes, int threads, kvt_hash hash, int32_t *err) {
+    kvt_run *runs = malloc(sizeof(kvt_run) * (n ? n : 1));
+    if (!runs) return -2;
+    int nruns = 0;
+    int64_t since = 0; /* bytes before record i in its file run */
+    for (int i = 0; i < n; i++) {
+        int same = i && fd[i] == fd[i - 1] && off[i] == off[i - 1] + (int64_t)len[i - 1];
+        since = same ? since + (int64_t)len[i - 1] : 0;
+        int cut = !same || (int64_t)len[i] > run_bytes || (int64_t)len[i - 1] > run_bytes ||
+                  (since - (int64_t)len[i - 1]) / run_bytes != since / run_bytes;
+        if (fd[i] < 0) continue; /* its segment could not be opened: not read */
+        if (cut || !nruns) {
+            kvt_run r = {off[i], fd[i], i, 1, 0};
+            runs[nruns++] = r;
+        } else {
+            runs[nruns - 1].count++;
+        }
+    }
+    kvt_job job = {0, runs, nruns, addr, len, (uint64_t *)sums, status, hash, 0};
+    int ret = run_all(&job, threads);
+    *err = 0;
+    for (int r = 0; r < nruns; r++)
+        if (runs[r].err) {
+            if (!*err) *err = runs[r].err;
+            for (int k = runs[r].first; k < runs[r].first + runs[r].count; k++) status[k] = 3;
+        }
+    free(runs);
+    return ret;
+}
+
+int kvt_write(kvt_run *runs, int nruns, const uint64_t *addr, const uint64_t *len,
+              uint64_t *sums, int threads, kvt_hash hash) {
+    kvt_job job = {1, runs, nruns, addr, len, sums, NULL, hash, 0};
+    return run_all(&job, threads);
+}
+
+/* -- journal entries (format.py's layout), CRC-32 as zlib computes it -------------------------- */
+
+static uint32_t crc_table[8][256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void) {
+    for (uint32_t b = 0; b < 256; b++) {
+        uint32_t c = b;
+        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][b] = c;
+    }
+    for (uint32_t b = 0; b < 256; b++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][b] = (crc_table[t - 1][b] >> 8) ^ crc_table[0][crc_table[t - 1][b] & 0xFF];
+}
+
+uint32_t kvt_crc32(const uint8_t *p, size_t n, uint32_t crc) {
+    pthread_once(&crc_once, crc_init);
+    crc = ~crc;
+    while (n >= 8) { /* slicing by 8 (little-endian hosts) */
+        uint64_t v;
+        memcpy(&v, p, 8);
+        v ^= crc;
+        crc = crc_table[7][v & 0xFF] ^ crc_table[6][(v >> 8) & 0xFF] ^
+              crc_table[5][(v >> 16) & 0xFF] ^ crc_table[4][(v >> 24) & 0xFF] ^
+              crc_table[3][(v >> 32) & 0xFF] ^ crc_table[2][(v >> 40) & 0xFF] ^
+              crc_table[1][(v >> 48) & 0xFF] ^ crc_table[0][v >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = crc_table[0][(crc ^ *p++) & 0xFF] ^ (crc >> 8);
+    return ~crc;
+}
+
+#define ENTRY_HEAD 40 /* magic, key length, flags, algorithm, offset, length, checksum, time */
+
+static void put16(uint8_t *p, uint16_t v) { p[0] = v; p[1] = v >> 8; }
+static void put32(uint8_t *p, uint32_t v) { for (int k = 0; k < 4; k++) p[k] = v >> (8 * k); }
+static void put64(uint8_t *p, uint64_t v) { for (int k = 0; k < 8; k++) p[k] = v >> (8 * k); }
+
+/* Record entries of n keys (`keys`: the keys' ASCII bytes back to back, key i from kstart[i] to
+ * kstart[i+1]) into `out`, which holds sum(44 + key length) bytes; the bytes written. */
+int64_t kvt_encode_entries(const uint8_t *keys, const int64_t *kstart, int n,
+                           const uint64_t *offsets, const uint64_t *lengths, uint64_t time_ns,
+                           const uint8_t *algorithms, const uint64_t *sums, uint8_t *out) {
+    uint8_t *p = out;
+    for (int i = 0; i < n; i++) {
+        int64_t k = kstart[i + 1] - kstart[i];
+        memcpy(p, "KVS2", 4);
+        put16(p + 4, (uint16_t)k);
+        p[6] = 0;
+        p[7] = algorithms[i];
+        put64(p + 8, offsets[i]);
+        put64(p + 16, lengths[i]);
+        put64(p + 24, sums[i]);
+        put64(p + 32, time_ns);
+        uint32_t crc = kvt_crc32(p, ENTRY_HEAD, 0);
+        crc = kvt_crc32(keys + kstart[i], (size_t)k, crc);
+        put32(p + ENTRY_HEAD, crc);
+        memcpy(p + ENTRY_HEAD + 4, keys + kstart[i], (size_t)k);
+        p += ENTRY_HEAD + 4 + k;
+    }
+    return p - out;
+}

@@ -1,0 +1,305 @@
+"""The segment store's C loops (``segments.native``) against its Python loops: the same records,
+runs, journal bytes and verdicts, each path reading what the other wrote; the loader's refusals;
+and a writer in the C loops killed at a random point of its batches."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+from kvtier.storage.segments import format as fmt
+from kvtier.storage.segments import native
+from kvtier.storage.segments.io import RUN_BYTES
+
+NS = Namespace("segment-native", "bfloat16", 4, "page_first")
+H = page_hashes(range(4096), NS)
+WAIT_S = 60.0
+
+
+@pytest.fixture
+def lib():
+    got = native.library()
+    if got is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the segment store's native loops did not build in CI", pytrace=False)
+        pytest.skip("the segment store's native loops are not built here")
+    return got
+
+
+def pages_of(sizes: list[int], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8, generator=g)
+    return list(pool.split(sizes))
+
+
+def test_records_in_any_arrangement_are_read_and_checked(tmp_path: Path, lib) -> None:
+    """Records in two files with gaps, sizes around a run's, empty ones and a closed file's
+    (negative descriptor), read into scattered buffers: each record's verdict and bytes as a
+    plain loop says (the C loop cuts the runs itself)."""
+    rng = random.Random(5)
+    files = [os.open(tmp_path / f"f{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(2)]
+    try:
+        for trial in range(40):
+            n = rng.randrange(1, 30)
+            recs = []
+            ends = [0, 0]
+            for _ in range(n):
+                k = rng.randrange(2)
+                if rng.random() < 0.2:
+                    ends[k] += rng.randrange(1, 5000)  # a gap
+                size = rng.choice([0, 1, 4096, 65536, RUN_BYTES, RUN_BYTES + 1, 2 * RUN_BYTES + 5])
+                recs.append((k, ends[k], size))
+                ends[k] += size
+            recs.sort(key=lambda r: (r[0], r[1]))
+            data = [pages_of([size], trial * 100 + i)[0] for i, (_, _, size) in enumerate(recs)]
+            for (k, at, _), page in zip(recs, data):
+                os.pwrite(files[k], page.numpy().tobytes(), at)
+            sums = [xxhash.xxh3_64_intdigest(page.numpy().tobytes()) for page in data]
+            flipped = rng.randrange(n)
+            sums[flipped] ^= 1  # a record whose checksum does not match
+            closed = {i for i in range(n) if rng.random() < 0.1}
+            out = [torch.full((size + 1,), 0xEE, dtype=torch.uint8) for _, _, size in recs]
+            status, err = native.read(
+                lib,
+                np.array(
+                    [-1 if i in closed else files[k] for i, (k, _, _) in enumerate(recs)],
+                    dtype=np.int32,
+                ),
+                np.array([at for _, at, _ in recs], dtype=np.int64),
+                np.array([o.data_ptr() for o in out], dtype=np.uint64),
+                np.array([size for _, _, size in recs], dtype=np.uint64),
+                np.array(sums, dtype=np.uint64),
+                RUN_BYTES,
+                rng.choice([1, 2, 3]),
+            )
+            assert err == 0
+            for i, (got, o, page) in enumerate(zip(status.tolist(), out, data)):
+                if i in closed:
+                    assert got == 0 and bool((o == 0xEE).all()), "not read: untouched"
+                    continue
+                assert got == (2 if i == flipped else 1), (trial, i)
+                assert torch.equal(o[:-1], page) and int(o[-1]) == 0xEE, "exact, nothing past it"
+            for k in range(2):
+                os.ftruncate(files[k], 0)
+    finally:
+        for fd in files:
+            os.close(fd)
+
+
+def test_journal_entries_equal_the_python_encoding(lib) -> None:
+    rng = random.Random(7)
+    for n in (1, 2, 17, 300):
+        keys = [
+            "".join(rng.choice("0123456789abcdef.kvr") for _ in range(rng.randrange(1, 90)))
+            for _ in range(n)
+        ]
+        offsets = [rng.randrange(2**63) for _ in range(n)]
+        lengths = [rng.randrange(2**40) for _ in range(n)]
+        algorithms = [rng.choice([1, 2]) for _ in range(n)]
+        sums = [rng.randrange(2**64) for _ in range(n)]
+        t = rng.randrange(2**63)
+        got = native.encode_entries(lib, keys, offsets, lengths, t, algorithms, sums)
+        assert got == fmt.encode_entries(keys, offsets, lengths, t, algorithms, sums)
+        parsed, used = fmt.parse_entries(got)
+        assert used == len(got) and [e.key for e in parsed] == keys
+
+
+@pytest.mark.parametrize("writer", ["native", "python"])
+@pytest.mark.parametrize("reader", ["native", "python"])
+def test_each_path_reads_what_the_other_wrote(
+    tmp_path: Path, writer: str, reader: str, lib, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mixed sizes (empty, odd, a run's, larger than a run), several batches and segments,
+    a get in shuffled order with absent keys: served pages are exact, absent ones untouched."""
+    sizes = [0, 1, 4095, 65536, RUN_BYTES, RUN_BYTES + 3, 3 * RUN_BYTES + 7, 12_345] * 3
+    keys = H[: len(sizes)]
+    pages = pages_of(sizes, 11)
+    root = tmp_path / "l3"
+    w = create_backend("file", root=root, segment_bytes=2 << 20, native=writer == "native")
+    for lo in range(0, len(keys), 5):
+        assert w.set([PoolTransfer("kv", keys[lo : lo + 5], pages[lo : lo + 5])]).all_ok
+    r = create_backend("file", root=root, native=reader == "native")
+    order = list(range(len(keys))) + [len(keys), len(keys) + 1]  # two never written
+    random.Random(3).shuffle(order)
+    want_keys = [H[i] for i in order]
+    out = [
+        torch.full((sizes[i] if i < len(sizes) else 77,), 0xEE, dtype=torch.uint8) for i in order
+    ]
+    ok = r.get([PoolTransfer("kv", want_keys, out)]).ok["kv"]
+    for got, i, buf in zip(ok, order, out):
+        if i < len(sizes):
+            assert got and torch.equal(buf, pages[i]), f"page {i}"
+        else:
+            assert not got and bool((buf == 0xEE).all()), "an absent page's buffer untouched"
+    assert r.metrics.snapshot()["checksum_miss_pages"] == 0
+    w.close()
+    r.close()
+
+
+@pytest.mark.parametrize("loops", ["native", "python"], indirect=True)
+def test_torn_and_flipped_records_are_counted_misses(tmp_path: Path, loops: str) -> None:
+    """A flipped byte in one record and a segment cut inside another: both misses (counted,
+    dropped from the index), every other page of the batch served exactly."""
+    sizes = [65536] * 6 + [RUN_BYTES + 100]
+    keys, pages = H[100 : 100 + len(sizes)], pages_of(sizes, 12)
+    root = tmp_path / "l3"
+    w = create_backend("file", root=root)
+    assert w.set([PoolTransfer("kv", keys, pages)]).all_ok
+    w.close()
+    (seg,) = root.glob("*.kvs")
+    with open(seg, "r+b") as f:
+        f.seek(2 * 65536 + 999)
+        byte = f.read(1)
+        f.seek(2 * 65536 + 999)
+        f.write(bytes([byte[0] ^ 1]))
+        f.truncate(6 * 65536 + RUN_BYTES // 2)  # inside the last (large) record
+    r = create_backend("file", root=root)
+    out = [torch.full((n,), 0xEE, dtype=torch.uint8) for n in sizes]
+    ok = r.get([PoolTransfer("kv", keys, out)]).ok["kv"]
+    assert ok == [True, True, False, True, True, True, False]
+    for i in (0, 1, 3, 4, 5):
+        assert torch.equal(out[i], pages[i])
+    assert r.metrics.snapshot()["checksum_miss_pages"] == 2
+    assert r.contains("kv", [keys[2], keys[6]]) == [False, False], "dropped from the index"
+    r.close()
+
+
+def test_the_wrappers_report_short_files_and_bad_descriptors(tmp_path: Path, lib) -> None:
+    data = pages_of([5000], 1)[0]
+    path = tmp_path / "f"
+    path.write_bytes(data.numpy().tobytes()[:4000])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        back = torch.full((5000,), 0xEE, dtype=torch.uint8)
+        addr = np.array([back.data_ptr(), back.data_ptr() + 3000], dtype=np.uint64)
+        n = np.array([3000, 2000], dtype=np.uint64)
+        sums = np.array(
+            [xxhash.xxh3_64_intdigest(data.numpy()[:3000].tobytes()), 0], dtype=np.uint64
+        )
+        offsets = np.array([0, 3000], dtype=np.int64)
+        status, err = native.read(
+            lib, np.array([fd, fd], dtype=np.int32), offsets, addr, n, sums, RUN_BYTES, 2
+        )
+        assert status.tolist() == [1, 2] and err == 0  # the file ends inside the second
+        written = native.make_runs([fd], [0], [0], [2])
+        native.write(lib, written, addr, n, 1)
+        assert written["err"].tolist() == [9]  # EBADF: opened read-only
+        os.close(fd)
+        status, err = native.read(
+            lib, np.array([fd, fd], dtype=np.int32), offsets, addr, n, sums, RUN_BYTES, 1
+        )
+        assert status.tolist() == [3, 3] and err == 9  # EBADF: closed
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    assert path.read_bytes() == data.numpy().tobytes()[:4000], "the failed write wrote nothing"
+
+
+def test_the_loader_builds_privately_and_refuses_what_it_cannot_trust(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lib
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(cache))
+    assert native._load() is not None
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    (built,) = cache.glob("native_io-*.so")
+    assert stat.S_IMODE(built.stat().st_mode) == 0o700
+    assert not list(cache.glob("*.tmp")), "the build's temporary file is gone"
+
+    monkeypatch.setenv(native.ENV_DISABLE, "0")
+    assert native._load() is None, "turned off"
+    monkeypatch.delenv(native.ENV_DISABLE)
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(shared))
+    assert native._load() is None, "a cache others can write into is not used"
+    assert not list(shared.iterdir()), "nothing was built there"
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "fresh"))
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    assert native._load() is None
+    assert not list((tmp_path / "fresh").iterdir())
+
+
+WRITER = """
+import sys, torch
+from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+from kvtier.storage.segments import native
+assert native.available()
+root, progress = sys.argv[1], sys.argv[2]
+H = page_hashes(range(64 * 1024), Namespace("segment-native", "bfloat16", 4, "page_first"))
+b = create_backend("file", root=root, segment_bytes=8 << 20)
+
+def page(h):
+    g = torch.Generator().manual_seed(int(h[:15], 16))
+    return torch.randint(0, 256, (16384,), dtype=torch.uint8, generator=g)
+
+with open(progress, "w") as log:
+    for n in range(1024):
+        keys = H[n * 64 : (n + 1) * 64]
+        assert b.set([PoolTransfer("kv", keys, [page(h) for h in keys])]).all_ok
+        log.write(f"{n}\\n")
+        log.flush()
+"""
+BIG = page_hashes(range(64 * 1024), NS)
+
+
+def expected(h: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(int(h[:15], 16))
+    return torch.randint(0, 256, (16384,), dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_writer_in_the_c_loops_killed_at_a_random_point(tmp_path: Path, seed: int, lib) -> None:
+    """SIGKILL at a random moment of a stream of batches (16 KiB pages, 64 a batch): every page
+    a fresh reader serves has exactly the bytes written, every batch the writer saw complete is
+    served, and a new writer takes the root over."""
+    root, progress = tmp_path / "l3", tmp_path / "progress"
+    script = tmp_path / "writer.py"
+    script.write_text(textwrap.dedent(WRITER))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root), str(progress)],
+        cwd=Path(__file__).resolve().parents[2],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not (progress.exists() and progress.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.stderr.read().decode()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "the writer made no progress"
+            time.sleep(0.01)
+        time.sleep(random.Random(seed).uniform(0, 0.05))  # the kill's point in the stream
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(WAIT_S)
+    assert proc.returncode == -signal.SIGKILL, "killed before it finished"
+    done = progress.read_text().count("\n")
+    reader = create_backend("file", root=root)
+    keys = BIG[: 64 * (done + 4)]
+    out = [torch.full((16384,), 0xEE, dtype=torch.uint8) for _ in keys]
+    ok = reader.get([PoolTransfer("kv", keys, out)]).ok["kv"]
+    assert all(ok[: 64 * done]), "every batch the writer saw complete is served"
+    for i, (got, buf) in enumerate(zip(ok, out)):
+        if got:
+            assert torch.equal(buf, expected(keys[i])), f"page {i} served with wrong bytes"
+    writer = create_backend("file", root=root)
+    assert writer.set([PoolTransfer("kv", keys[-64:], out[-64:])]).all_ok
+    writer.clear()
+    assert list(root.glob("*.kvs")) == [], "the killed writer's segments were reclaimable"
