@@ -219,3 +219,49 @@ def test_adjacent_chunks_equal_the_chunk_by_chunk_check(seed: int) -> None:
     bounds = _chunks(plan.order, lengths)
     want = [_adjacent(plan, lo, hi, counts) for lo, hi in zip(bounds, bounds[1:])]
     assert _adjacent_chunks(plan, bounds, counts) == want, f"seed {seed}: {damage} at {k}"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_indexing_new_records_at_once_equals_entry_by_entry(tmp_path, seed: int) -> None:
+    """``Index.insert_new_locked`` (the append's bulk path, or its fallback where a key is
+    indexed or tombstoned already) leaves the same books as ``insert_locked`` entry by entry."""
+    from kvtier.storage.segments.index import Index
+
+    rng = random.Random(seed)
+    books = []
+    for bulk in (True, False):
+        index = Index(tmp_path, -1, ["w"], 8, 1.0)
+        old = Segment("1-00000000-00000001", "w", 1, -1, None)
+        seg = Segment("1-00000000-00000002", "w", 2, -1, None)
+        rng = random.Random(seed)
+        keys = [f"k{i}" for i in rng.sample(range(100), 40)]
+        before = rng.sample(keys, rng.choice([0, 0, 3]))  # indexed earlier, in another segment
+        with index.mutex:
+            index.insert_locked(
+                old, [Entry(k, 64 * i, 64, i, 5, 1, i) for i, k in enumerate(before)]
+            )
+            if rng.random() < 0.5:
+                index.insert_locked(old, [Entry(keys[-1], 0, 0, 99, 6, deleted=True)])
+            offsets = [4096 * i for i in range(len(keys))]
+            lengths = [rng.choice([4096, 100]) for _ in keys]
+            sums = [rng.randrange(2**64) for _ in keys]
+            if bulk:
+                index.insert_new_locked(seg, keys, offsets, lengths, 7, 10, [1] * len(keys), sums)
+            else:
+                index.insert_locked(
+                    seg,
+                    [
+                        Entry(k, o, n, 7 + i, 10, 1, c)
+                        for i, (k, o, n, c) in enumerate(zip(keys, offsets, lengths, sums))
+                    ],
+                )
+        books.append(
+            (
+                {k: (v.seg.stem, *v[1:]) for k, v in index.entries.items()},
+                dict(index.tombs),
+                seg.keys,
+                (seg.live, seg.live_bytes, seg.end, old.live, old.live_bytes),
+                {s.stem for s in index.changed},
+            )
+        )
+    assert books[0] == books[1]

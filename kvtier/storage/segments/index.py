@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import logging
+import operator
 import os
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -368,6 +370,60 @@ class Index:
         seg.live += live
         seg.live_bytes += live_bytes
         seg.end = end
+
+    def insert_new_locked(
+        self,
+        seg: Segment,
+        keys: Sequence[str],
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        seq: int,
+        time_ns: int,
+        algorithms: Sequence[int],
+        checksums: Sequence[int],
+        trusted: bool = False,
+    ) -> None:
+        """``insert_locked`` of records just appended to ``seg`` (entries ``seq..``, one time),
+        in C loops where no key is indexed or tombstoned yet (a batch of new pages, the common
+        append), else entry by entry."""
+        index, tombs = self.entries, self.tombs
+        if any(map(index.__contains__, keys)) or (tombs and any(map(tombs.__contains__, keys))):
+            n = len(keys)
+            self.insert_locked(
+                seg,
+                zip(
+                    keys,
+                    offsets,
+                    lengths,
+                    range(seq, seq + n),
+                    itertools.repeat(time_ns, n),
+                    algorithms,
+                    checksums,
+                    itertools.repeat(False, n),
+                ),
+                trusted,
+            )
+            return
+        self.changed.add(seg)
+        seg.keys += keys
+        locs = map(
+            Loc._make,
+            zip(
+                itertools.repeat(seg),
+                offsets,
+                lengths,
+                itertools.count(seq),
+                itertools.repeat(time_ns),
+                itertools.repeat(trusted),
+                algorithms,
+                checksums,
+            ),
+        )
+        index.update(zip(keys, locs))
+        if keys:
+            seg.live += len(keys)
+            seg.live_bytes += sum(lengths)
+            seg.end = max(seg.end, max(map(operator.add, offsets, lengths)))
 
     def _tombstone_locked(self, key: str, when: tuple[int, str, int]) -> None:
         """A tombstone of ``key`` made at ``when`` (time, segment, seq): the record serving it,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import itertools
 import logging
 import os
 import threading
@@ -316,20 +315,20 @@ class Lane:
             )
             act.full = True
             return k
-        entries = zip(
-            keys[j:stored],
-            offsets,
-            lengths[j:stored],
-            range(act.seq, act.seq + n),
-            itertools.repeat(now, n),
-            algorithms,
-            checksums,
-            itertools.repeat(False, n),
-        )
         act.jend += len(journal)
-        act.seq += n
         with self._index.mutex:
-            self._index.insert_locked(act.seg, entries, trusted=self._config.verify == "once")
+            self._index.insert_new_locked(
+                act.seg,
+                keys[j:stored],
+                offsets[:n],
+                lengths[j:stored],
+                act.seq,
+                now,
+                algorithms,
+                checksums,
+                trusted=self._config.verify == "once",
+            )
+        act.seq += n
         ok[j:stored] = [True] * n
         return k
 
