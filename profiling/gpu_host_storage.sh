@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The file store's benchmark on the device tool's GPU host (CPU and disk only): the segment store
+# with its C loops and with its Python loops in the same run, pinned to 2 CPUs (CI's size) with
+# two processes and the index rebuild, then on all CPUs.
+#   OUT=/tmp/out bash profiling/gpu_host_storage.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/storage_host}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD KVTIER_CACHE_DIR=${KVTIER_CACHE_DIR:-/tmp/kvtier-cache}
+{
+  date -u; nproc; uptime; uname -r
+  python3 -c 'import sys, xxhash, torch; print(sys.version.split()[0], "xxhash", xxhash.VERSION, "torch", torch.__version__)'
+  command -v cc gcc || echo "no C compiler"
+  python3 -c 'from kvtier.storage.segments import native; print("native loops:", native.available())'
+} 2>&1 | tee "$OUT/host.txt"
+taskset -c 0,1 python3 profiling/bench_storage.py --dir /tmp --total-mib 256 --repeats 3 \
+  --out "$OUT/pinned" 2>&1 | grep -E "^\| |load average|command|rebuild|no plot" | tee "$OUT/pinned.txt"
+python3 profiling/bench_storage.py --dir /tmp --pages 64 256 2048 --single-only --total-mib 256 \
+  --repeats 3 --out "$OUT/all_cpus" 2>&1 | grep -E "^\| |load average|command|no plot" | tee "$OUT/all_cpus.txt"
