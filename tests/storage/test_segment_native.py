@@ -220,9 +220,17 @@ def test_the_loader_builds_privately_and_refuses_what_it_cannot_trust(
     assert stat.S_IMODE(built.stat().st_mode) == 0o700
     assert not list(cache.glob("*.tmp")), "the build's temporary file is gone"
 
-    monkeypatch.setenv(native.ENV_DISABLE, "0")
-    assert native._load() is None, "turned off"
+    for off in ("0", "false", "Off"):
+        monkeypatch.setenv(native.ENV_DISABLE, off)
+        assert native._load() is None, f"turned off by {off!r}"
     monkeypatch.delenv(native.ENV_DISABLE)
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir(mode=0o700)
+    (corrupt / built.name).write_bytes(b"not a library")  # a crash or a full disk, say
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(corrupt))
+    assert native._load() is not None, "rebuilt once"
+    assert (corrupt / built.name).stat().st_size > 1000
 
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
@@ -303,3 +311,17 @@ def test_a_writer_in_the_c_loops_killed_at_a_random_point(tmp_path: Path, seed: 
     assert writer.set([PoolTransfer("kv", keys[-64:], out[-64:])]).all_ok
     writer.clear()
     assert list(root.glob("*.kvs")) == [], "the killed writer's segments were reclaimable"
+
+
+def test_a_child_forked_while_the_library_loads_does_not_wait_forever() -> None:
+    """The loader's lock held by another thread at ``fork()`` (a build in progress) is a fresh
+    lock in the child."""
+    native._lock.acquire()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if the lock is free
+            os._exit(0 if native._lock.acquire(timeout=5) else 1)
+    finally:
+        native._lock.release()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -8,12 +8,13 @@ threads of its own, without the GIL.
 
 **Built on first use.** ``native_io.c`` is compiled with the system C compiler (``$CC``, else
 ``cc``) into a cache directory, as Triton builds its launchers: ``$KVTIER_CACHE_DIR``, else
-``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``. The library's name is the hash of its
+``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``; the store builds it when it opens, so the first
+batch does not wait for the compiler. The library's name is the hash of its
 source, flags and machine, so an edited source builds anew. The directory is created ``0700``;
 one that other users could write into, or owned by another user, is not used (a planted library
 would run as this process). The build goes to a temporary name and is renamed into place, so
 processes building at once each load a whole library. Where no compiler works, the library fails
-its self-test, ``$KVTIER_NATIVE=0`` is set, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the
+its self-test (after one rebuild), ``$KVTIER_NATIVE`` is ``0`` / ``false`` / ``no`` / ``off``, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the
 store runs the same loops in Python (``available()`` is False); results are identical.
 
 The checksum is the ``xxhash`` binding's own XXH3-64, called by address from C, so a record
@@ -22,11 +23,13 @@ written by either path verifies on the other.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import stat
 import subprocess
@@ -117,15 +120,16 @@ def _xxh3_address() -> int | None:
 
 
 def _build(target: Path) -> bool:
-    """Compile ``native_io.c`` to ``target`` (through a temporary name); whether it worked."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
+    """Compile ``native_io.c`` to ``target`` (through a temporary name, synced before the
+    rename: a crash never leaves a partial library under the final name); whether it worked."""
+    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not cc[0]:
         return False
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(_SOURCE)],
+            [*cc, *_FLAGS, "-o", tmp, str(_SOURCE)],
             capture_output=True,
             text=True,
             timeout=_BUILD_TIMEOUT_S,
@@ -135,6 +139,11 @@ def _build(target: Path) -> bool:
             log.info("segment store: native loops not built (%s): %s", cc, done.stderr[-2000:])
             return False
         os.chmod(tmp, 0o700)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, target)
         return True
     except (OSError, subprocess.SubprocessError) as e:
@@ -146,12 +155,16 @@ def _build(target: Path) -> bool:
 
 
 def _load() -> object | None:
-    if os.environ.get(ENV_DISABLE, "1") == "0":
+    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
         return None
     hash_at = _xxh3_address()
     if hash_at is None:
         return None
-    source = _SOURCE.read_bytes()
+    try:
+        source = _SOURCE.read_bytes()
+    except OSError as e:  # an install without the package's C file
+        log.info("segment store: no %s (%s): native loops off", _SOURCE.name, e)
+        return None
     tag = hashlib.sha256(
         source + repr((_FLAGS, platform.machine(), platform.libc_ver())).encode()
     ).hexdigest()[:16]
@@ -160,6 +173,21 @@ def _load() -> object | None:
         log.info("segment store: cache %s is not private to this user: native loops off", where)
         return None
     target = where / f"native_io-{tag}.so"
+    for attempt in range(2):  # a library that will not load or test right is rebuilt once
+        lib = _open(target, hash_at)
+        if lib is not None and _self_test(lib):
+            return lib
+        if attempt == 0:
+            log.warning("segment store: native loops at %s failed to load or test: rebuilt", target)
+            with contextlib.suppress(OSError):
+                target.unlink()
+    log.warning("segment store: native loops at %s failed again: off", target)
+    return None
+
+
+def _open(target: Path, hash_at: int) -> object | None:
+    """Build ``target`` if missing; the library, its calls declared; None if it cannot be built
+    or loaded, or is not this user's regular file."""
     try:
         if not target.exists() and not _build(target):
             return None
@@ -167,10 +195,10 @@ def _load() -> object | None:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             return None
         lib = ctypes.CDLL(str(target))
-    except OSError as e:
+        if lib.kvt_abi() != _ABI:
+            return None
+    except (OSError, AttributeError) as e:
         log.info("segment store: native loops not loaded: %s", e)
-        return None
-    if lib.kvt_abi() != _ABI:
         return None
     vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
     lib.kvt_read_records.restype = i32
@@ -180,9 +208,6 @@ def _load() -> object | None:
     lib.kvt_encode_entries.restype = ctypes.c_int64
     lib.kvt_encode_entries.argtypes = (vp, vp, i32, vp, vp, u64, vp, vp, vp)
     lib.hash_at = hash_at
-    if not _self_test(lib):
-        log.warning("segment store: native loops at %s failed their self-test: off", target)
-        return None
     return lib
 
 
@@ -220,6 +245,16 @@ def _self_test(lib) -> bool:
         and bytes(back) == bytes(data)
         and entries == fmt.encode_entries(keys, [4096, 0], [65536, 7], 123, [1, 2], [2**64 - 1, 5])
     )
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while another thread built or loaded the library would inherit ``_lock``
+    held, and wait on it forever: it starts with a free lock (and loads for itself if need be)."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def library() -> object | None:

@@ -109,8 +109,10 @@ static void one_run(kvt_job *job, kvt_run *r) {
         int64_t want = 0;
         for (int k = i; k < upto; k++) want += len[k];
         int64_t got = n ? move_all(job->write, r->fd, iov, n, pos, want) : 0;
-        if (got < 0) {
+        if (got < 0) { /* this syscall's records (and the run's rest) are not moved */
             r->err = (int)-got;
+            if (!job->write)
+                for (int k = i; k < end; k++) job->status[k] = 3;
             return;
         }
         if (!job->write) {
@@ -160,7 +162,8 @@ static int run_all(kvt_job *job, int threads) {
 
 /* Read records i = 0..n-1 (sorted by file and offset: fd[i], off[i]; into addr[i], len[i] bytes)
  * and check each against sums[i]: status[i] = 1 served, 2 failed verification or cut short by
- * the file's end, 3 the read failed (*err: its errno), 0 not read (fd[i] < 0). Runs are cut here:
+ * the file's end, 3 its read failed (*err: the first errno), 0 not read (fd[i] < 0); records a
+ * run's earlier syscalls moved keep their verdicts. Runs are cut here:
  * records back to back in one file, a new run where the bytes before a record (from its file
  * run's start) cross a multiple of run_bytes, and around a record larger than run_bytes. */
 int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr,
@@ -186,11 +189,7 @@ int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr
     kvt_job job = {0, runs, nruns, addr, len, (uint64_t *)sums, status, hash, 0};
     int ret = run_all(&job, threads);
     *err = 0;
-    for (int r = 0; r < nruns; r++)
-        if (runs[r].err) {
-            if (!*err) *err = runs[r].err;
-            for (int k = runs[r].first; k < runs[r].first + runs[r].count; k++) status[k] = 3;
-        }
+    for (int r = 0; r < nruns && !*err; r++) *err = runs[r].err;
     free(runs);
     return ret;
 }

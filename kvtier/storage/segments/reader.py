@@ -187,8 +187,9 @@ class Reader:
         out: list[bool],
         bad: list[int],
     ) -> None:
-        """The batch's runs in one call of the C loops (``native``): the same runs, reads and
-        checks as ``_read_chunk``'s, on this thread and ``helpers`` of the library's own."""
+        """The batch's records in one call of the C loops (``native``): the same verdicts as
+        ``_read_chunk``'s, on this thread and ``helpers`` threads of the library's own. Runs
+        are cut in C (a record larger than a run is read whole, then hashed)."""
         order = np.asarray(plan.order, dtype=np.intp)
         if len(plan.used) == 1:
             fd = np.full(len(order), fds[next(iter(plan.used))], dtype=np.int32)

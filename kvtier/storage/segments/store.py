@@ -82,6 +82,7 @@ from kvtier.metrics import TierMetrics
 from kvtier.storage.base import Parts, StorageBackend
 from kvtier.storage.keys import KeyScope
 from kvtier.storage.page_format import PageViews
+from kvtier.storage.segments import native
 from kvtier.storage.segments.compact import Compactor
 from kvtier.storage.segments.config import SegmentBackendConfig
 from kvtier.storage.segments.index import NAME, Index
@@ -338,6 +339,8 @@ class SegmentBackend(StorageBackend):
         self._compactor = Compactor(
             self._index, self._writer, self._space, self._dirfd, config.compact_below
         )
+        if config.native:
+            native.library()  # built (first use on this machine) or loaded now, not in a batch
         _LIVE.add(self)
         try:
             with self._index.mutex, _collection_paused():
