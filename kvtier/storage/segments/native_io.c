@@ -95,6 +95,7 @@ typedef struct {
     uint8_t *status;   /* read only, out: 1 served, 2 failed verification, 0 not read */
     kvt_hash hash;
     int next;          /* the next run nobody took */
+    int64_t piece;     /* read only: a record larger than this is read in pieces of this size */
 } kvt_job;
 
 static void one_run(kvt_job *job, kvt_run *r) {
@@ -104,6 +105,26 @@ static void one_run(kvt_job *job, kvt_run *r) {
     int64_t pos = r->offset;
     if (job->write) /* hash first: the write then copies the bytes from this core's cache */
         for (int k = r->first; k < end; k++) job->sums[k] = job->hash((void *)(uintptr_t)addr[k], len[k]);
+    if (!job->write && r->count == 1 && job->piece > 0 && (int64_t)len[i] > job->piece) {
+        /* A large record in sequential pieces, as the Python loops read it: one request of the
+         * whole record read cold measured 84% of raw against 100% in pieces (H100 host). */
+        char *a = (char *)(uintptr_t)addr[i];
+        int64_t n = (int64_t)len[i], done = 0;
+        while (done < n) {
+            int64_t step = n - done < job->piece ? n - done : job->piece;
+            ssize_t got = pread(r->fd, a + done, (size_t)step, pos + done);
+            if (got < 0) {
+                if (errno == EINTR) continue;
+                r->err = errno;
+                job->status[i] = 3;
+                return;
+            }
+            if (got == 0) break; /* the file ends inside the record */
+            done += got;
+        }
+        job->status[i] = done < n ? 2 : job->hash(a, (size_t)n) == job->sums[i] ? 1 : 2;
+        return;
+    }
     while (i < end) {
         int upto, n = fill(r, addr, len, i, iov, KVT_IOV, &upto);
         int64_t want = 0;
@@ -186,7 +207,7 @@ int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr
             runs[nruns - 1].count++;
         }
     }
-    kvt_job job = {0, runs, nruns, addr, len, (uint64_t *)sums, status, hash, 0};
+    kvt_job job = {0, runs, nruns, addr, len, (uint64_t *)sums, status, hash, 0, run_bytes};
     int ret = run_all(&job, threads);
     *err = 0;
     for (int r = 0; r < nruns && !*err; r++) *err = runs[r].err;
@@ -196,7 +217,7 @@ int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr
 
 int kvt_write(kvt_run *runs, int nruns, const uint64_t *addr, const uint64_t *len,
               uint64_t *sums, int threads, kvt_hash hash) {
-    kvt_job job = {1, runs, nruns, addr, len, sums, NULL, hash, 0};
+    kvt_job job = {1, runs, nruns, addr, len, sums, NULL, hash, 0, 0};
     return run_all(&job, threads);
 }
 
