@@ -96,6 +96,7 @@ typedef struct {
     kvt_hash hash;
     int next;          /* the next run nobody took */
     int64_t piece;     /* read only: a record larger than this is read in pieces of this size */
+    int hashed;        /* write only: another thread hashes the records (hash_all) */
 } kvt_job;
 
 static void one_run(kvt_job *job, kvt_run *r) {
@@ -103,7 +104,7 @@ static void one_run(kvt_job *job, kvt_run *r) {
     const uint64_t *addr = job->addr, *len = job->len;
     int end = r->first + r->count, i = r->first;
     int64_t pos = r->offset;
-    if (job->write) /* hash first: the write then copies the bytes from this core's cache */
+    if (job->write && !job->hashed) /* hash first: the write copies from this core's cache */
         for (int k = r->first; k < end; k++) job->sums[k] = job->hash((void *)(uintptr_t)addr[k], len[k]);
     if (!job->write && r->count == 1 && job->piece > 0 && (int64_t)len[i] > job->piece) {
         /* A large record in sequential pieces, as the Python loops read it: one request of the
@@ -207,7 +208,7 @@ int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr
             runs[nruns - 1].count++;
         }
     }
-    kvt_job job = {0, runs, nruns, addr, len, (uint64_t *)sums, status, hash, 0, run_bytes};
+    kvt_job job = {0, runs, nruns, addr, len, (uint64_t *)sums, status, hash, 0, run_bytes, 0};
     int ret = run_all(&job, threads);
     *err = 0;
     for (int r = 0; r < nruns && !*err; r++) *err = runs[r].err;
@@ -215,10 +216,29 @@ int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr
     return ret;
 }
 
+static void *hash_all(void *arg) {
+    kvt_job *job = arg;
+    for (int r = 0; r < job->nruns; r++)
+        for (int k = job->runs[r].first; k < job->runs[r].first + job->runs[r].count; k++)
+            job->sums[k] = job->hash((void *)(uintptr_t)job->addr[k], job->len[k]);
+    return NULL;
+}
+
+/* Hash each record into sums and write the runs. With threads >= 2, a helper hashes every record
+ * while this thread writes every run, in order: one writer per file (buffered writes to one file
+ * take its inode lock in turns, and a second writer spun on it: more CPU, no speed), the hashing
+ * beside it instead of before each run. */
 int kvt_write(kvt_run *runs, int nruns, const uint64_t *addr, const uint64_t *len,
               uint64_t *sums, int threads, kvt_hash hash) {
-    kvt_job job = {1, runs, nruns, addr, len, sums, NULL, hash, 0, 0};
-    return run_all(&job, threads);
+    kvt_job job = {1, runs, nruns, addr, len, sums, NULL, hash, 0, 0, 0};
+    pthread_t helper;
+    if (threads >= 2 && nruns && pthread_create(&helper, NULL, hash_all, &job) == 0) {
+        job.hashed = 1;
+        drain(&job);
+        pthread_join(helper, NULL);
+        return 0;
+    }
+    return run_all(&job, 1);
 }
 
 /* -- journal entries (format.py's layout), CRC-32 as zlib computes it -------------------------- */

@@ -269,11 +269,9 @@ class Lane:
                 [hi - lo for lo, hi, _ in runs],
             )
             addr = np.asarray(views.addresses()[j:k], dtype=np.uint64)  # type: ignore[union-attr]
-            # One thread: a segment's buffered writes take its inode lock in turns, so a helper
-            # thread added CPU and no speed (64 KiB pages, dev VM: 4.1 GB/s either way, 0.40
-            # against 0.27 s of CPU per GB), and CPU is what two processes on a root run out of.
+            # With a helper, it hashes while this thread writes (native_io.c: one writer a file).
             got = native.write(
-                lib, table, addr, np.asarray(lengths[j:k], dtype=np.uint64), 1
+                lib, table, addr, np.asarray(lengths[j:k], dtype=np.uint64), helpers + 1
             ).tolist()
             for r in np.flatnonzero(table["err"]).tolist():
                 log.warning(
