@@ -269,7 +269,7 @@ class Lane:
                 [hi - lo for lo, hi, _ in runs],
             )
             addr = np.asarray(views.addresses()[j:k], dtype=np.uint64)  # type: ignore[union-attr]
-            # With a helper, one thread's hash overlaps the other's write (native_io.c).
+            # With a helper, it hashes while this thread writes (native_io.c: one writer a file).
             got = native.write(
                 lib, table, addr, np.asarray(lengths[j:k], dtype=np.uint64), helpers + 1
             ).tolist()
