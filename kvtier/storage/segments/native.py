@@ -119,6 +119,50 @@ def _xxh3_address() -> int | None:
     return None
 
 
+def _xxh3_stream_table() -> ctypes.Array | None:
+    """The binding's streaming XXH3-64 calls as ``kvt_stream`` (create, free, reset, update,
+    digest; the dispatching update where exported), checked on uneven pieces against the
+    binding's own digest; None where any is missing or differs (large records are then hashed
+    whole after they land)."""
+    try:
+        import xxhash
+
+        lib = ctypes.CDLL(xxhash._xxhash.__file__)
+        create, free = lib.XXH3_createState, lib.XXH3_freeState
+        reset, digest = lib.XXH3_64bits_reset, lib.XXH3_64bits_digest
+        update = getattr(lib, "XXH3_64bits_update_dispatch", None) or lib.XXH3_64bits_update
+    except (ImportError, OSError, AttributeError):
+        return None
+    vp = ctypes.c_void_p
+    create.restype, create.argtypes = vp, ()
+    free.restype, free.argtypes = ctypes.c_int, (vp,)
+    reset.restype, reset.argtypes = ctypes.c_int, (vp,)
+    update.restype, update.argtypes = ctypes.c_int, (vp, vp, ctypes.c_size_t)
+    digest.restype, digest.argtypes = ctypes.c_uint64, (vp,)
+    n = 300_001
+    data = (ctypes.c_ubyte * n).from_buffer_copy(bytes(i * 29 % 251 for i in range(n)))
+    state = create()
+    if not state:
+        return None
+    try:
+        if reset(state) != 0:
+            return None
+        at = 0
+        for step in (1, 100, 65_536, 131_072, n):
+            step = min(step, n - at)
+            if update(state, ctypes.addressof(data) + at, step) != 0:
+                return None
+            at += step
+        if digest(state) != xxhash.xxh3_64_intdigest(bytes(data)):
+            return None
+    finally:
+        free(state)
+    table = (ctypes.c_void_p * 5)(
+        *(ctypes.cast(f, ctypes.c_void_p).value for f in (create, free, reset, update, digest))
+    )
+    return table
+
+
 def _build(target: Path) -> bool:
     """Compile ``native_io.c`` to ``target`` (through a temporary name, synced before the
     rename: a crash never leaves a partial library under the final name); whether it worked."""
@@ -202,12 +246,14 @@ def _open(target: Path, hash_at: int) -> object | None:
         return None
     vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
     lib.kvt_read_records.restype = i32
-    lib.kvt_read_records.argtypes = (vp, vp, vp, vp, vp, vp, i32, ctypes.c_int64, i32, vp, vp)
+    lib.kvt_read_records.argtypes = (vp, vp, vp, vp, vp, vp, i32, ctypes.c_int64, i32, vp, vp, vp)
     lib.kvt_write.restype = i32
     lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, i32, vp)
     lib.kvt_encode_entries.restype = ctypes.c_int64
     lib.kvt_encode_entries.argtypes = (vp, vp, i32, vp, vp, u64, vp, vp, vp)
     lib.hash_at = hash_at
+    lib.stream_table = _xxh3_stream_table()  # kept alive with the library
+    lib.stream_at = None if lib.stream_table is None else ctypes.addressof(lib.stream_table)
     return lib
 
 
@@ -313,6 +359,7 @@ def read(
         run_bytes,
         threads,
         lib.hash_at,
+        lib.stream_at,
         ctypes.byref(err),
     )
     if got == -2:
