@@ -8,14 +8,15 @@ threads of its own, without the GIL.
 
 **Built on first use.** ``native_io.c`` is compiled with the system C compiler (``$CC``, else
 ``cc``) into a cache directory, as Triton builds its launchers: ``$KVTIER_CACHE_DIR``, else
-``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``; the store builds it when it opens, so the first
-batch does not wait for the compiler. The library's name is the hash of its
-source, flags and machine, so an edited source builds anew. The directory is created ``0700``;
-one that other users could write into, or owned by another user, is not used (a planted library
-would run as this process). The build goes to a temporary name and is renamed into place, so
-processes building at once each load a whole library. Where no compiler works, the library fails
-its self-test (after one rebuild), ``$KVTIER_NATIVE`` is ``0`` / ``false`` / ``no`` / ``off``, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the
-store runs the same loops in Python (``available()`` is False); results are identical.
+``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``. The store builds it when it opens, so no
+batch waits for the compiler. The library's name is the hash of its source, flags and machine,
+so an edited source builds anew. The directory is created ``0700``; one that other users could
+write into, or owned by another user, is not used (a planted library would run as this
+process). The build goes to a temporary name, synced, then renamed into place, so processes
+building at once each load a whole library; one that will not load or fails its self-test is
+rebuilt once. Where no compiler works, the rebuilt library still fails, ``$KVTIER_NATIVE`` is
+``0`` / ``false`` / ``no`` / ``off``, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the store
+runs the same loops in Python (``available()`` is False); results are identical.
 
 The checksum is the ``xxhash`` binding's own XXH3-64, called by address from C, so a record
 written by either path verifies on the other.
@@ -55,7 +56,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ENV_DISABLE = "KVTIER_NATIVE"
-"""Set to ``0`` to run the segment store's loops in Python."""
+"""Set to ``0`` (or ``false``, ``no``, ``off``) to run the segment store's loops in Python."""
 _SOURCE = Path(__file__).with_name("native_io.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c11", "-Wall")
 _ABI = 1

@@ -189,7 +189,8 @@ class Reader:
     ) -> None:
         """The batch's records in one call of the C loops (``native``): the same verdicts as
         ``_read_chunk``'s, on this thread and ``helpers`` threads of the library's own. Runs
-        are cut in C (a record larger than a run is read whole, then hashed)."""
+        are cut in C; a record larger than a run is read in run-sized pieces, each hashed as it
+        lands where the binding's streaming XXH3 calls check out (else the whole after)."""
         order = np.asarray(plan.order, dtype=np.intp)
         if len(plan.used) == 1:
             fd = np.full(len(order), fds[next(iter(plan.used))], dtype=np.int32)
