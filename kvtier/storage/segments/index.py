@@ -407,7 +407,8 @@ class Index:
         self.changed.add(seg)
         seg.keys += keys
         locs = map(
-            Loc._make,
+            tuple.__new__,  # Loc._make is a Python call per record; this is not
+            itertools.repeat(Loc),
             zip(
                 itertools.repeat(seg),
                 offsets,
