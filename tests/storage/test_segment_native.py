@@ -252,6 +252,15 @@ def test_the_loader_builds_privately_and_refuses_what_it_cannot_trust(
     assert native._load() is None
     assert not list((tmp_path / "fresh").iterdir())
 
+    # A build killed mid-way leaves its temporary file: swept once older than any build.
+    dead, live = (tmp_path / "fresh" / f"{built.name}.{tag}.tmp" for tag in ("dead", "live"))
+    dead.write_bytes(b"half a library")
+    live.write_bytes(b"a build in progress")
+    old = time.time() - 3 * native._BUILD_TIMEOUT_S
+    os.utime(dead, (old, old))
+    assert native._load() is None  # still no compiler
+    assert not dead.exists() and live.exists()
+
 
 WRITER = """
 import sys, torch
@@ -333,3 +342,20 @@ def test_a_child_forked_while_the_library_loads_does_not_wait_forever() -> None:
         native._lock.release()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_build_that_hangs_is_cut_off_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that never finishes (and starts a process of its own): the build ends at its
+    time limit, the store would run its Python loops, no temporary file is left."""
+    slow = tmp_path / "slowcc"
+    slow.write_text("#!/bin/sh\nsleep 60 &\nwait\n")
+    slow.chmod(0o700)
+    monkeypatch.setenv("CC", str(slow))
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_BUILD_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    assert native._load() is None
+    assert time.monotonic() - start < 30, "the build's time limit held"
+    assert not list((tmp_path / "cache").iterdir())

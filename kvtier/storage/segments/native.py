@@ -32,10 +32,12 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -170,18 +172,28 @@ def _build(target: Path) -> bool:
     cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
     if not cc[0]:
         return False
+    _sweep(target.parent)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run(
+        # Its own session: a timeout kills the driver and what it started (cc1, as, ld).
+        proc = subprocess.Popen(
             [*cc, *_FLAGS, "-o", tmp, str(_SOURCE)],
-            capture_output=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=_BUILD_TIMEOUT_S,
-            check=False,
+            start_new_session=True,
         )
-        if done.returncode != 0:
-            log.info("segment store: native loops not built (%s): %s", cc, done.stderr[-2000:])
+        try:
+            _, err = proc.communicate(timeout=_BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            log.info("segment store: native loops not built (%s): over %gs", cc, _BUILD_TIMEOUT_S)
+            return False
+        if proc.returncode != 0:
+            log.info("segment store: native loops not built (%s): %s", cc, err[-2000:])
             return False
         os.chmod(tmp, 0o700)
         fd = os.open(tmp, os.O_RDONLY)
@@ -197,6 +209,16 @@ def _build(target: Path) -> bool:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _sweep(where: Path) -> None:
+    """Delete temporary files of builds that died (killed mid-build: their process never
+    removed them) once they are older than any build could be."""
+    now = time.time()
+    for tmp in where.glob("native_io-*.so.*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - tmp.lstat().st_mtime > 2 * _BUILD_TIMEOUT_S:
+                tmp.unlink()
 
 
 def _load() -> object | None:
