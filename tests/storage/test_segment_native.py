@@ -359,3 +359,50 @@ def test_a_build_that_hangs_is_cut_off_and_leaves_nothing(
     assert native._load() is None
     assert time.monotonic() - start < 30, "the build's time limit held"
     assert not list((tmp_path / "cache").iterdir())
+
+
+def test_the_cache_guards_against_cut_files_other_compilers_and_open_parents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lib
+) -> None:
+    """A library cut short is never mapped (that is SIGBUS) but rebuilt; the compiler command is
+    part of the library's name; missing parents are made 0700 under umask 0; a cache under a
+    directory others can write into is refused; a symlink to a private directory is used."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(home))
+    assert native._load() is not None
+    (built,) = home.glob("native_io-*.so")
+    digest = native._digest_path(built)
+
+    cut = tmp_path / "cut"
+    cut.mkdir(mode=0o700)
+    (cut / built.name).write_bytes(built.read_bytes()[:10_000])  # a partial copy, say
+    (cut / digest.name).write_text(digest.read_text())
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(cut))
+    assert native._load() is not None, "rebuilt, not mapped"
+    assert (cut / built.name).read_bytes() == built.read_bytes()
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(home))
+    monkeypatch.setenv("CC", "cc -O1")
+    assert native._load() is not None
+    assert len(list(home.glob("native_io-*.so"))) == 2, "another compiler, another library"
+    monkeypatch.delenv("CC")
+
+    old = os.umask(0)
+    try:
+        deep = tmp_path / "u" / "a" / "b"
+        monkeypatch.setenv("KVTIER_CACHE_DIR", str(deep))
+        assert native._load() is not None
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "u", tmp_path / "u" / "a", deep):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # not sticky: anyone may rename what lies in it
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(shared / "kvtier"))
+    assert native._load() is None
+
+    (tmp_path / "link").symlink_to(home)
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "link"))
+    assert native._load() is not None

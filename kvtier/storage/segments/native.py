@@ -10,11 +10,14 @@ threads of its own, without the GIL.
 ``cc``) into a cache directory, as Triton builds its launchers: ``$KVTIER_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``. The store builds it when it opens, so no
 batch waits for the compiler. The library's name is the hash of its source, flags and machine,
-so an edited source builds anew. The directory is created ``0700``; one that other users could
-write into, or owned by another user, is not used (a planted library would run as this
-process). The build goes to a temporary name, synced, then renamed into place, so processes
-building at once each load a whole library; one that will not load or fails its self-test is
-rebuilt once. Where no compiler works, the rebuilt library still fails, ``$KVTIER_NATIVE`` is
+so an edited source builds anew; the compiler command is part of that hash. The directory (and
+any parent it needs) is created ``0700`` whatever the umask; one that other users could write
+into, owned by another user, or under a directory others could change (unless sticky, as
+``/tmp``) is not used: a planted library would run as this process. The build goes to a
+temporary name, synced, its SHA-256 written beside it, then renamed into place, so processes
+building at once each load a whole library; a library whose bytes differ from that digest (cut
+short: mapping it would kill the process with SIGBUS) is never mapped but rebuilt, as is one
+that will not load or fails its self-test, once. Where no compiler works, the rebuilt library still fails, ``$KVTIER_NATIVE`` is
 ``0`` / ``false`` / ``no`` / ``off``, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the store
 runs the same loops in Python (``available()`` is False); results are identical.
 
@@ -82,19 +85,49 @@ def _cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvtier"
 
 
-def _private_dir(path: Path) -> bool:
-    """Create ``path`` (0700) if missing; whether it is a directory of this user's that nobody
-    else can write into (a library planted there would run in this process)."""
+def _private_dir(path: Path) -> Path | None:
+    """Create ``path`` if missing (it and any missing parent ``0700``, whatever the umask); its
+    resolved form if it is a directory of this user's that nobody else can write into and whose
+    every ancestor only its owner (this user or root) can change, or is sticky (``/tmp``); else
+    None, with the reason logged. A library placed there would run in this process."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return (
-        stat.S_ISDIR(st.st_mode)
-        and st.st_uid == os.geteuid()
-        and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    )
+        missing = []
+        at = path.absolute()
+        while not os.path.lexists(at):
+            missing.append(at)
+            at = at.parent
+        for d in reversed(missing):
+            os.mkdir(d, 0o700)
+            os.chmod(d, 0o700)  # mkdir's mode is cut by the umask; never widened by it
+        real = Path(os.path.realpath(path))
+        st = os.stat(real)
+    except OSError as e:
+        log.warning("segment store: cache %s unusable (%s): the Python loops run", path, e)
+        return None
+    me = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or st.st_mode & 0o022:
+        log.warning(
+            "segment store: cache %s is not a directory only this user can write (mode %o, "
+            "owner %d): the Python loops run",
+            real,
+            stat.S_IMODE(st.st_mode),
+            st.st_uid,
+        )
+        return None
+    for up in real.parents:
+        try:
+            st = os.stat(up)
+        except OSError:
+            return None
+        if st.st_uid not in (0, me) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            log.warning(
+                "segment store: cache %s lies under %s, which others can change: the Python "
+                "loops run",
+                real,
+                up,
+            )
+            return None
+    return real
 
 
 def _xxh3_address() -> int | None:
@@ -166,12 +199,10 @@ def _xxh3_stream_table() -> ctypes.Array | None:
     return table
 
 
-def _build(target: Path) -> bool:
-    """Compile ``native_io.c`` to ``target`` (through a temporary name, synced before the
-    rename: a crash never leaves a partial library under the final name); whether it worked."""
-    cc = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
-    if not cc[0]:
-        return False
+def _build(target: Path, cc: list[str]) -> bool:
+    """Compile ``native_io.c`` to ``target`` with ``cc`` (through a temporary name, synced,
+    its digest written first, then renamed: a crash never leaves a partial library under the
+    final name); whether it worked (a failure logged with the compiler's words)."""
     _sweep(target.parent)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
@@ -190,21 +221,39 @@ def _build(target: Path) -> bool:
             with contextlib.suppress(OSError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            log.info("segment store: native loops not built (%s): over %gs", cc, _BUILD_TIMEOUT_S)
+            log.warning(
+                "segment store: the C loops' build (%s) took over %gs: the Python loops run",
+                shlex.join(cc),
+                _BUILD_TIMEOUT_S,
+            )
             return False
         if proc.returncode != 0:
-            log.info("segment store: native loops not built (%s): %s", cc, err[-2000:])
+            log.warning(
+                "segment store: the C loops did not build (%s): %s: the Python loops run",
+                shlex.join(cc),
+                err.strip()[-2000:],
+            )
             return False
         os.chmod(tmp, 0o700)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with open(tmp, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+            os.fsync(f.fileno())
+        side = tempfile.NamedTemporaryFile(
+            "w", dir=target.parent, prefix=target.name + ".", suffix=".tmp", delete=False
+        )
+        with side:
+            side.write(digest + "\n")
+            side.flush()
+            os.fsync(side.fileno())
+        os.replace(side.name, _digest_path(target))
         os.replace(tmp, target)
         return True
     except (OSError, subprocess.SubprocessError) as e:
-        log.info("segment store: native loops not built (%s): %s", cc, e)
+        log.warning(
+            "segment store: the C loops did not build (%s): %s: the Python loops run",
+            shlex.join(cc),
+            e,
+        )
         return False
     finally:
         if os.path.exists(tmp):
@@ -221,52 +270,96 @@ def _sweep(where: Path) -> None:
                 tmp.unlink()
 
 
+def _compiler() -> list[str]:
+    """The compiler command: ``$CC`` (which may carry arguments), else ``cc`` or ``gcc``."""
+    return shlex.split(os.environ.get("CC", "")) or [
+        shutil.which("cc") or shutil.which("gcc") or ""
+    ]
+
+
 def _load() -> object | None:
-    if os.environ.get(ENV_DISABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+    switch = os.environ.get(ENV_DISABLE, "1").strip().lower()
+    if switch in ("0", "false", "no", "off"):
         return None
+    if switch not in ("", "1", "true", "yes", "on"):
+        log.warning("segment store: %s=%r is not 0/1: the C loops stay on", ENV_DISABLE, switch)
     hash_at = _xxh3_address()
     if hash_at is None:
+        log.info("segment store: xxhash exports no XXH3 to call from C: the Python loops run")
         return None
     try:
         source = _SOURCE.read_bytes()
     except OSError as e:  # an install without the package's C file
-        log.info("segment store: no %s (%s): native loops off", _SOURCE.name, e)
+        log.info("segment store: no %s (%s): the Python loops run", _SOURCE.name, e)
         return None
+    cc = _compiler()
+    # The compiler is part of the name: a library one compiler made is not another's to load.
     tag = hashlib.sha256(
-        source + repr((_FLAGS, platform.machine(), platform.libc_ver())).encode()
+        source + repr((_FLAGS, cc, platform.machine(), platform.libc_ver())).encode()
     ).hexdigest()[:16]
-    where = _cache_dir()
-    if not _private_dir(where):
-        log.info("segment store: cache %s is not private to this user: native loops off", where)
+    where = _private_dir(_cache_dir())
+    if where is None:
         return None
     target = where / f"native_io-{tag}.so"
     for attempt in range(2):  # a library that will not load or test right is rebuilt once
+        if not os.path.lexists(target):
+            if not cc[0]:
+                log.warning("segment store: no C compiler ($CC, cc, gcc): the Python loops run")
+                return None
+            if not _build(target, cc):
+                return None  # logged; building again would fail alike
         lib = _open(target, hash_at)
         if lib is not None and _self_test(lib):
             return lib
-        if attempt == 0:
-            log.warning("segment store: native loops at %s failed to load or test: rebuilt", target)
+        log.warning(
+            "segment store: the C loops at %s %s",
+            target,
+            "failed to load or test: rebuilt"
+            if attempt == 0
+            else "failed again: the Python loops run",
+        )
+        for stale in (target, _digest_path(target)):
             with contextlib.suppress(OSError):
-                target.unlink()
-    log.warning("segment store: native loops at %s failed again: off", target)
+                stale.unlink()
     return None
 
 
+def _digest_path(target: Path) -> Path:
+    """Where the SHA-256 of ``target``'s bytes is kept, written at its build: a library whose
+    bytes differ (cut short, copied in part) is never mapped, since mapping a file cut short
+    kills the process with SIGBUS."""
+    return target.with_name(target.name + ".sha256")
+
+
 def _open(target: Path, hash_at: int) -> object | None:
-    """Build ``target`` if missing; the library, its calls declared; None if it cannot be built
-    or loaded, or is not this user's regular file."""
+    """The library at ``target``, its calls declared; None if it is not this user's regular
+    file or its bytes differ from its build's digest."""
     try:
-        if not target.exists() and not _build(target):
-            return None
-        st = os.lstat(target)
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        log.info("segment store: C loops not opened: %s", e)
+        return None
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             return None
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read()
+        try:
+            want = _digest_path(target).read_text().strip()
+        except OSError:
+            return None
+        if hashlib.sha256(data).hexdigest() != want:
+            return None
+        # By name: only this user can change the private directory it lies in (_private_dir).
         lib = ctypes.CDLL(str(target))
         if lib.kvt_abi() != _ABI:
             return None
     except (OSError, AttributeError) as e:
-        log.info("segment store: native loops not loaded: %s", e)
+        log.info("segment store: C loops not loaded: %s", e)
         return None
+    finally:
+        os.close(fd)
     vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
     lib.kvt_read_records.restype = i32
     lib.kvt_read_records.argtypes = (vp, vp, vp, vp, vp, vp, i32, ctypes.c_int64, i32, vp, vp, vp)
