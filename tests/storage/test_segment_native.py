@@ -46,14 +46,16 @@ def pages_of(sizes: list[int], seed: int) -> list[torch.Tensor]:
     return list(pool.split(sizes))
 
 
+@pytest.mark.parametrize("trusting", [False, True], ids=["always", "once"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_records_in_any_arrangement_are_read_and_checked(
-    tmp_path: Path, lib, stream: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, lib, stream: bool, trusting: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Records in two files with gaps, sizes around a run's, empty ones and a closed file's
     (negative descriptor), read into scattered buffers: each record's verdict and bytes as a
     plain loop says (the C loop cuts the runs itself). Records over a run are hashed as their
-    pieces land (the binding's streaming XXH3) or, without it, whole after the last."""
+    pieces land (the binding's streaming XXH3) or, without it, whole after the last. Trusted
+    records (``verify="once"``) are served once read in full, unchecked, as the Python loops do."""
     if stream and lib.stream_at is None:
         pytest.skip("the binding's streaming XXH3 calls are not callable here")
     if not stream:
@@ -80,6 +82,9 @@ def test_records_in_any_arrangement_are_read_and_checked(
             flipped = rng.randrange(n)
             sums[flipped] ^= 1  # a record whose checksum does not match
             closed = {i for i in range(n) if rng.random() < 0.1}
+            trusted = [trusting and rng.random() < 0.4 for _ in range(n)]
+            if trusting:
+                trusted[flipped] = rng.random() < 0.5
             out = [torch.full((size + 1,), 0xEE, dtype=torch.uint8) for _, _, size in recs]
             status, err = native.read(
                 lib,
@@ -93,13 +98,14 @@ def test_records_in_any_arrangement_are_read_and_checked(
                 np.array(sums, dtype=np.uint64),
                 RUN_BYTES,
                 rng.choice([1, 2, 3]),
+                np.array(trusted, dtype=np.uint8) if trusting else None,
             )
             assert err == 0
             for i, (got, o, page) in enumerate(zip(status.tolist(), out, data)):
                 if i in closed:
                     assert got == 0 and bool((o == 0xEE).all()), "not read: untouched"
                     continue
-                assert got == (2 if i == flipped else 1), (trial, i)
+                assert got == (2 if i == flipped and not trusted[i] else 1), (trial, i)
                 assert torch.equal(o[:-1], page) and int(o[-1]) == 0xEE, "exact, nothing past it"
             for k in range(2):
                 os.ftruncate(files[k], 0)

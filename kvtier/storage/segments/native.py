@@ -362,7 +362,21 @@ def _open(target: Path, hash_at: int) -> object | None:
         os.close(fd)
     vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
     lib.kvt_read_records.restype = i32
-    lib.kvt_read_records.argtypes = (vp, vp, vp, vp, vp, vp, i32, ctypes.c_int64, i32, vp, vp, vp)
+    lib.kvt_read_records.argtypes = (
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        vp,
+        i32,
+        ctypes.c_int64,
+        i32,
+        vp,
+        vp,
+        vp,
+        vp,
+    )
     lib.kvt_write.restype = i32
     lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, i32, vp)
     lib.kvt_encode_entries.restype = ctypes.c_int64
@@ -455,13 +469,15 @@ def read(
     sums: np.ndarray,
     run_bytes: int,
     threads: int,
+    trusted: np.ndarray | None = None,
 ) -> tuple[np.ndarray, int]:
     """Read records sorted by file and offset (``fds`` int32, ``offsets`` int64) into ``addr``
     (``lengths`` bytes each; uint64) and check each against ``sums`` (XXH3-64, uint64), on up
     to ``threads`` threads, in runs of back-to-back records cut at about ``run_bytes``: per
     record 1 (served), 2 (failed verification, or cut short by the file's end), 3 (its read
     failed) or 0 (not read: a negative descriptor); and the errno of the first failed read (0
-    if none)."""
+    if none). ``trusted`` (uint8, or None): records served, once read in full, without a check
+    (``verify="once"``)."""
     status = np.zeros(len(addr), dtype=np.uint8)
     err = ctypes.c_int32(0)
     got = lib.kvt_read_records(
@@ -474,6 +490,7 @@ def read(
         len(addr),
         run_bytes,
         threads,
+        None if trusted is None else trusted.ctypes.data,
         lib.hash_at,
         lib.stream_at,
         ctypes.byref(err),

@@ -149,10 +149,7 @@ class Reader:
         try:
             lib = native.library() if plan is not None and self._native else None
             if (
-                lib is not None
-                and views.single()
-                and not plan.trusting  # type: ignore[union-attr]
-                and set(plan.algorithms) == {XXH3}  # type: ignore[union-attr]
+                lib is not None and views.single() and set(plan.algorithms) == {XXH3}  # type: ignore[union-attr]
             ):
                 self._read_native(lib, plan, views, fds, out, bad)  # type: ignore[arg-type]
             elif plan is not None:
@@ -206,6 +203,7 @@ class Reader:
             np.asarray(plan.checksums, dtype=np.uint64)[order],
             RUN_BYTES,
             self._helpers + 1,
+            np.asarray(plan.trusted, dtype=np.uint8)[order] if plan.trusting else None,
         )
         if err:
             log.warning(
