@@ -210,11 +210,19 @@ def loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
     ``pytestmark = pytest.mark.usefixtures("loops")``."""
     if request.param == "python":
         monkeypatch.setattr(native, "library", lambda: None)
-    elif not native.available():
+    else:
+        native_library()
+    return request.param
+
+
+def native_library():
+    """The C loops' library; the test skips where it cannot be built, and fails in CI."""
+    lib = native.library()
+    if lib is None:
         if os.environ.get("CI") == "true":
             pytest.fail("the segment store's native loops did not build in CI", pytrace=False)
         pytest.skip("the segment store's native loops are not built here")
-    return request.param
+    return lib
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import format as fmt
 from kvtier.storage.segments import native
 from kvtier.storage.segments.io import RUN_BYTES
+from tests.storage.conftest import native_library
 
 NS = Namespace("segment-native", "bfloat16", 4, "page_first")
 H = page_hashes(range(4096), NS)
@@ -32,12 +33,7 @@ WAIT_S = 60.0
 
 @pytest.fixture
 def lib():
-    got = native.library()
-    if got is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the segment store's native loops did not build in CI", pytrace=False)
-        pytest.skip("the segment store's native loops are not built here")
-    return got
+    return native_library()
 
 
 def pages_of(sizes: list[int], seed: int) -> list[torch.Tensor]:

@@ -37,16 +37,15 @@ log = logging.getLogger(__name__)
 
 class _Plan(NamedTuple):
     """A batch's records, columns indexed by page (``zip(*locs)``: no attribute access per page),
-    and ``order``: the pages to read, sorted by segment and offset. ``sums``: each record's
-    (algorithm, checksum), as ``PageViews.checksums`` gives a page's; ``trusting``: whether any
-    record read is trusted (``verify="once"`` only); ``used``: the segments read."""
+    and ``order``: the pages to read, sorted by segment and offset. ``algorithms`` and
+    ``checksums``: each record's, as ``PageViews.checksums`` gives a page's pair; ``trusting``:
+    whether any record read is trusted (``verify="once"`` only); ``used``: the segments read."""
 
     order: list[int]
     segs: Sequence[Segment]
     offsets: Sequence[int]
     lengths: Sequence[int]
     trusted: Sequence[bool]
-    sums: Sequence[tuple[int, int]]
     trusting: bool
     used: set[Segment]
     algorithms: Sequence[int]
@@ -89,7 +88,6 @@ def _plan(locs: list[Loc | None], lengths: list[int]) -> _Plan | None:
         offsets,
         sizes,
         trusted,
-        list(zip(algorithms, checksums)),
         any(trusted),
         used,
         algorithms,
@@ -272,7 +270,7 @@ class Reader:
             try:
                 if large:
                     i = members[0]
-                    if _read_large(fd, start, *plan.sums[i], views[i]):
+                    if _read_large(fd, start, plan.algorithms[i], plan.checksums[i], views[i]):
                         out[i] = True
                     else:
                         bad.append(i)
@@ -340,14 +338,14 @@ def _verify(
 ) -> None:
     """Check each of ``pages`` (read in full) against its journal checksum, a run's hashes at
     once: into ``out`` (True) or ``bad``."""
-    sums = plan.sums
+    algorithms, checksums = plan.algorithms, plan.checksums
+    wants = [(algorithms[i], checksums[i]) for i in pages]
     got_all = views.checksums(pages)
-    if got_all == [sums[i] for i in pages]:  # every one verified: the common case
+    if got_all == wants:  # every one verified: the common case
         for i in pages:
             out[i] = True
         return
-    for i, got in zip(pages, got_all):
-        want = sums[i]
+    for i, got, want in zip(pages, got_all, wants):
         if got == want or (got[0] != want[0] and views.matches(i, *want)):
             out[i] = True
         else:
