@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvtier.storage import Namespace, PoolTransfer, StorageBackend, create_backend, page_hashes
@@ -112,7 +113,27 @@ def drop_caches(directory: Path) -> str:
         return "posix_fadvise(DONTNEED)"
 
 
+SETTLE = {"bytes": 0, "seconds": []}  # set by main: memory touched before each timed phase
+
+
+def settle_memory() -> None:
+    """Touch and free ``SETTLE["bytes"]`` of anonymous memory (untimed), so that the page cache a
+    timed phase fills comes from memory this guest has already touched. On a VM whose balloon
+    reports free pages back to the host (Firecracker: the dev VM and the GPU hosts), memory the
+    guest has not touched lately is faulted in from the host on first use, at ~0.5 GB/s on the
+    dev VM (measured: the first 256 MiB buffered write of a process at 0.41 GB/s and 0.64 s of
+    system CPU, the next ones at 4.7-5.2 GB/s); whichever side of a comparison ran first paid
+    it. Freed right away (the allocation is one mapping), its pages are the first the kernel
+    hands out again."""
+    if SETTLE["bytes"]:
+        start = time.perf_counter()
+        block = np.ones(SETTLE["bytes"], dtype=np.uint8)
+        del block
+        SETTLE["seconds"].append(time.perf_counter() - start)
+
+
 def timed(fn: Callable[[int], None], n: int) -> Batches:
+    settle_memory()
     out = Batches()
     cpu = time.process_time()
     for i in range(n):
@@ -324,8 +345,8 @@ def two_processes(
             "raw": {"put": Samples(), "get": Samples()},
             "segment": {"put": Samples(), "get": Samples()},
         }
-        for _ in range(repeats):
-            for role in ("raw", "segment"):
+        for rep in range(repeats):
+            for role in ("raw", "segment")[:: 1 if rep % 2 == 0 else -1]:  # who goes first
                 root = work / f"mp-{role}"
                 root.mkdir(mode=0o700)
                 procs = [
@@ -352,6 +373,7 @@ def two_processes(
                     os.sync()
                     if phase == "get":
                         drop_caches(root)
+                    settle_memory()  # here, not in the children: the pages are the guest's
                     for p in procs:
                         assert p.stdin is not None
                         p.stdin.write("go\n")
@@ -449,6 +471,18 @@ def environment(directory: Path) -> dict[str, str]:
     }
 
 
+def settle_line() -> str:
+    sec = SETTLE["seconds"]
+    if not SETTLE["bytes"]:
+        return "- no memory touched before the timed phases (--settle-mib 0)"
+    rate = f", {SETTLE['bytes'] / statistics.median(sec) / 1e9:.1f} GB/s median" if sec else ""
+    worst = f", slowest {SETTLE['bytes'] / max(sec) / 1e9:.2f} GB/s" if sec else ""
+    return (
+        f"- before each timed phase {SETTLE['bytes'] >> 20} MiB of memory "
+        f"touched and freed, untimed ({len(sec)} times here{rate}{worst})"
+    )
+
+
 def table(rows: list[Row], total: int) -> list[str]:
     out = [
         (
@@ -535,6 +569,18 @@ def main() -> None:
         help="page object sizes in KiB (default: 64 256 2048)",
     )
     p.add_argument(
+        "--settle-mib",
+        type=int,
+        default=None,
+        help="memory touched and freed before each timed phase (default: twice --total-mib; 0: "
+        "none), see settle_memory",
+    )
+    p.add_argument(
+        "--two-only",
+        action="store_true",
+        help="only the two-process rows (run it under taskset to give the two processes more CPUs)",
+    )
+    p.add_argument(
         "--single-only",
         action="store_true",
         help="only the one-process rows (no two-process rows, no index rebuild): a quick check",
@@ -544,6 +590,7 @@ def main() -> None:
     if any(n <= 0 or (8 << 20) % (n << 10) for n in args.pages):
         p.error(f"--pages must divide 8 MiB (one storage call), got {args.pages}")
     total = args.total_mib << 20
+    SETTLE["bytes"] = (2 * args.total_mib if args.settle_mib is None else args.settle_mib) << 20
     rebuild_us = None
     assert total % (2 * BATCH_BYTES) == 0, "--total-mib must be a multiple of 16"
     load0 = os.getloadavg()
@@ -558,11 +605,11 @@ def main() -> None:
             how_cold = drop_caches(work)
             fs = command_output(["findmnt", "-no", "FSTYPE", "-T", str(work)]) or str(directory)
             fs = fs.splitlines()[0]
-            here = single_process(work, pool, total, args.repeats, sizes)
+            here = [] if args.two_only else single_process(work, pool, total, args.repeats, sizes)
             if not args.single_only:
                 here += two_processes(work, total, args.repeats, sizes)
             rows += [dataclasses.replace(r, where=fs) for r in here]
-            if i == 0 and not args.single_only:
+            if i == 0 and not (args.single_only or args.two_only):
                 rebuild_us = rebuild_seconds_per_million(work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -583,6 +630,7 @@ def main() -> None:
             f"- {total >> 20} MiB per measurement, median of {args.repeats} repeats; "
             f"{BATCH_BYTES >> 20} MiB per storage call (raw: per write); cold reads after {how_cold}"
         ),
+        settle_line(),
         "",
     ]
     lines += table(rows, total)

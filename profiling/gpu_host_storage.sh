@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The file store's benchmark on the device tool's GPU host (CPU and disk only): the segment store
 # with its C loops and with its Python loops in the same run, pinned to 2 CPUs (CI's size) with
-# two processes and the index rebuild, then on all CPUs.
+# two processes and the index rebuild, then on all CPUs, then two processes on 4 CPUs (two each:
+# on 2 they are bound by the CPU), then the two C put arrangements paired batch by batch.
+# About 8 minutes.
 #   OUT=/tmp/out bash profiling/gpu_host_storage.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +17,9 @@ export PYTHONPATH=$PWD KVTIER_CACHE_DIR=${KVTIER_CACHE_DIR:-/tmp/kvtier-cache}
   python3 -c 'from kvtier.storage.segments import native; print("native loops:", native.available())'
 } 2>&1 | tee "$OUT/host.txt"
 taskset -c 0,1 python3 profiling/bench_storage.py --dir /tmp --total-mib 256 --repeats 3 \
-  --out "$OUT/pinned" 2>&1 | grep -E "^\| |load average|command|rebuild|no plot" | tee "$OUT/pinned.txt"
+  --out "$OUT/pinned" 2>&1 | grep -E "^\| |load average|command|rebuild|touched|no plot" | tee "$OUT/pinned.txt"
 python3 profiling/bench_storage.py --dir /tmp --pages 64 256 2048 --single-only --total-mib 256 \
   --repeats 3 --out "$OUT/all_cpus" 2>&1 | grep -E "^\| |load average|command|no plot" | tee "$OUT/all_cpus.txt"
+taskset -c 0-3 python3 profiling/bench_storage.py --dir /tmp --two-only --total-mib 256 \
+  --repeats 3 --out "$OUT/two_4cpus" 2>&1 | grep -E "^\| |load average|no plot" | tee "$OUT/two_4cpus.txt"
+taskset -c 0,1 python3 -m profiling.storage_put_overlap --dir /tmp --rounds 6 2>&1 | tee "$OUT/put_overlap.txt"

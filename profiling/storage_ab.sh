@@ -23,6 +23,6 @@ for round in 1 2; do
       *) echo "PYTHONPATH=$code imports $got (an editable install wins): run where none is"; exit 1 ;;
     esac
     PYTHONPATH=$code taskset -c 0,1 python3 "$NEW/profiling/bench_storage.py" "${ARGS[@]}" \
-      --out "$OUT/${which}_$round" 2>&1 | grep -E "^\| |load average|command" | tee "$OUT/${which}_$round.txt"
+      --out "$OUT/${which}_$round" 2>&1 | grep -E "^\| |load average|command|touched" | tee "$OUT/${which}_$round.txt"
   done
 done

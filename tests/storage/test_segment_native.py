@@ -208,6 +208,12 @@ def test_the_wrappers_report_short_files_and_bad_descriptors(tmp_path: Path, lib
         written = native.make_runs([fd], [0], [0], [2])
         native.write(lib, written, addr, n, 1)
         assert written["err"].tolist() == [9]  # EBADF: opened read-only
+        started = native.make_runs([fd], [0], [0], [2])
+        pending = native.write_start(lib, started, addr, n)
+        assert pending is not None
+        pending.wait()
+        pending.wait()  # a second wait is a no-op
+        assert started["err"].tolist() == [9]
         os.close(fd)
         status, err = native.read(
             lib, np.array([fd, fd], dtype=np.int32), offsets, addr, n, sums, RUN_BYTES, 1
@@ -217,6 +223,49 @@ def test_the_wrappers_report_short_files_and_bad_descriptors(tmp_path: Path, lib
         with contextlib.suppress(OSError):
             os.close(fd)
     assert path.read_bytes() == data.numpy().tobytes()[:4000], "the failed write wrote nothing"
+
+
+@pytest.mark.parametrize("started", [True, False], ids=["write-thread", "one-call"])
+def test_a_failed_run_stores_only_the_records_before_it(
+    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch, started: bool
+) -> None:
+    """A run whose write fails (its descriptor swapped for a read-only one) fails its records and
+    every later record of the batch; the records before it are stored, journaled and indexed
+    (the entries and index records made while the bytes were written are cut to them), for this
+    store and for a fresh reader; the segment takes no more. Both C write paths: a thread of its
+    own writing while the caller hashes, and the one call (no thread could be started)."""
+    ro = os.open(tmp_path / "read-only", os.O_RDONLY | os.O_CREAT, 0o600)
+    make_runs = native.make_runs
+
+    def second_run_fails(fds, offsets, first, count):
+        table = make_runs(fds, offsets, first, count)
+        if len(table) > 1:
+            table["fd"][1] = ro
+        return table
+
+    monkeypatch.setattr(native, "make_runs", second_run_fails)
+    if not started:
+        monkeypatch.setattr(native, "write_start", lambda *args: None)
+    sizes = [64 << 10] * 12  # runs of RUN_BYTES: four records each
+    pages, keys = pages_of(sizes, 5), H[:12]
+    root = tmp_path / "l3"
+    try:
+        b = create_backend("file", root=root)
+        assert b.set([PoolTransfer("kv", keys, pages)]).ok["kv"] == [True] * 4 + [False] * 8
+        monkeypatch.undo()
+        assert b.set([PoolTransfer("kv", H[12:14], pages_of([4096, 4096], 6))]).all_ok
+        fresh = create_backend("file", root=root)
+        for store in (b, fresh):
+            out = [torch.full((n,), 0xEE, dtype=torch.uint8) for n in sizes]
+            assert store.get([PoolTransfer("kv", keys, out)]).ok["kv"] == [True] * 4 + [False] * 8
+            assert all(torch.equal(o, p) for o, p in zip(out[:4], pages[:4]))
+            assert all(bool((o == 0xEE).all()) for o in out[4:]), "unserved pages untouched"
+            assert store.metrics.snapshot()["checksum_miss_pages"] == 0
+        assert len(list(root.glob("*.kvs"))) == 2, "the failed segment took no more"
+        b.close()
+        fresh.close()
+    finally:
+        os.close(ro)
 
 
 def test_the_loader_builds_privately_and_refuses_what_it_cannot_trust(

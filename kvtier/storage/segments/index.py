@@ -371,6 +371,35 @@ class Index:
         seg.live_bytes += live_bytes
         seg.end = end
 
+    @staticmethod
+    def new_locs(
+        seg: Segment,
+        offsets: Sequence[int],
+        lengths: Sequence[int],
+        seq: int,
+        time_ns: int,
+        algorithms: Sequence[int],
+        checksums: Sequence[int],
+        trusted: bool,
+    ) -> list[Loc]:
+        """The index records of records appended to ``seg`` (entries ``seq..``, one time)."""
+        return list(
+            map(
+                tuple.__new__,  # Loc._make is a Python call per record; this is not
+                itertools.repeat(Loc),
+                zip(
+                    itertools.repeat(seg),
+                    offsets,
+                    lengths,
+                    itertools.count(seq),
+                    itertools.repeat(time_ns),
+                    itertools.repeat(trusted),
+                    algorithms,
+                    checksums,
+                ),
+            )
+        )
+
     def insert_new_locked(
         self,
         seg: Segment,
@@ -382,10 +411,12 @@ class Index:
         algorithms: Sequence[int],
         checksums: Sequence[int],
         trusted: bool = False,
+        locs: Sequence[Loc] | None = None,
     ) -> None:
         """``insert_locked`` of records just appended to ``seg`` (entries ``seq..``, one time),
         in C loops where no key is indexed or tombstoned yet (a batch of new pages, the common
-        append), else entry by entry."""
+        append), else entry by entry. ``locs``: their ``new_locs``, made beforehand (outside
+        the mutex, while the bytes were being written), or None."""
         index, tombs = self.entries, self.tombs
         if any(map(index.__contains__, keys)) or (tombs and any(map(tombs.__contains__, keys))):
             n = len(keys)
@@ -406,20 +437,10 @@ class Index:
             return
         self.changed.add(seg)
         seg.keys += keys
-        locs = map(
-            tuple.__new__,  # Loc._make is a Python call per record; this is not
-            itertools.repeat(Loc),
-            zip(
-                itertools.repeat(seg),
-                offsets,
-                lengths,
-                itertools.count(seq),
-                itertools.repeat(time_ns),
-                itertools.repeat(trusted),
-                algorithms,
-                checksums,
-            ),
-        )
+        if locs is None:
+            locs = self.new_locs(
+                seg, offsets, lengths, seq, time_ns, algorithms, checksums, trusted
+            )
         index.update(zip(keys, locs))
         if keys:
             seg.live += len(keys)

@@ -64,7 +64,7 @@ ENV_DISABLE = "KVTIER_NATIVE"
 """Set to ``0`` (or ``false``, ``no``, ``off``) to run the segment store's loops in Python."""
 _SOURCE = Path(__file__).with_name("native_io.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c11", "-Wall")
-_ABI = 1
+_ABI = 2
 _BUILD_TIMEOUT_S = 120.0
 
 RUN = np.dtype(
@@ -379,6 +379,12 @@ def _open(target: Path, hash_at: int) -> object | None:
     )
     lib.kvt_write.restype = i32
     lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, i32, vp)
+    lib.kvt_write_start.restype = vp
+    lib.kvt_write_start.argtypes = (vp, i32, vp, vp)
+    lib.kvt_write_wait.restype = None
+    lib.kvt_write_wait.argtypes = (vp,)
+    lib.kvt_hash_records.restype = None
+    lib.kvt_hash_records.argtypes = (vp, vp, i32, vp, vp)
     lib.kvt_encode_entries.restype = ctypes.c_int64
     lib.kvt_encode_entries.argtypes = (vp, vp, i32, vp, vp, u64, vp, vp, vp)
     lib.hash_at = hash_at
@@ -406,6 +412,17 @@ def _self_test(lib) -> bool:
             sums = write(lib, runs, data.ctypes.data + at, n, 2)
             want = [xxhash.xxh3_64_intdigest(data[a : a + s].tobytes()) for a, s in zip(at, sizes)]
             if runs["err"].any() or sums.tolist() != want:
+                return False
+            again = make_runs([f.fileno()], [total], [0], [len(sizes)])  # the same, after it
+            pending = write_start(lib, again, data.ctypes.data + at, n)
+            if pending is None:
+                return False
+            try:
+                if hash_records(lib, data.ctypes.data + at, n).tolist() != want:
+                    return False
+            finally:
+                pending.wait()
+            if again["err"].any() or os.pread(f.fileno(), total, total) != data.tobytes():
                 return False
             fds = np.full(len(sizes), f.fileno(), dtype=np.int32)
             status, err = read(
@@ -513,6 +530,41 @@ def write(lib, runs: np.ndarray, addr: np.ndarray, lengths: np.ndarray, threads:
         sums.ctypes.data,
         threads,
         lib.hash_at,
+    )
+    return sums
+
+
+class Pending:
+    """A write in flight on a thread of its own (``kvt_write_start``), of ``runs`` from records
+    at ``addr`` (``lengths`` bytes each); ``wait`` ends it (each run's errno, or 0, in
+    ``runs["err"]``). The arrays stay referenced here until then; the caller keeps the records'
+    buffers alive and must call ``wait`` (in a ``finally``) before they may go."""
+
+    __slots__ = ("_handle", "_keep", "_lib")
+
+    def __init__(self, lib, handle: int, keep: tuple) -> None:
+        self._lib, self._handle, self._keep = lib, handle, keep
+
+    def wait(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._lib.kvt_write_wait(handle)
+            self._keep = ()
+
+
+def write_start(lib, runs: np.ndarray, addr: np.ndarray, lengths: np.ndarray) -> Pending | None:
+    """Start writing ``runs`` (records at ``addr``, ``lengths`` bytes each; uint64 arrays) on a
+    thread of the C loops' own, unhashed; None if no thread could be started (nothing written)."""
+    handle = lib.kvt_write_start(runs.ctypes.data, len(runs), addr.ctypes.data, lengths.ctypes.data)
+    return None if handle is None else Pending(lib, handle, (runs, addr, lengths))
+
+
+def hash_records(lib, addr: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each record's XXH3-64 (records at ``addr``, ``lengths`` bytes each; uint64 arrays), on
+    the calling thread without the GIL."""
+    sums = np.zeros(len(addr), dtype=np.uint64)
+    lib.kvt_hash_records(
+        addr.ctypes.data, lengths.ctypes.data, len(addr), sums.ctypes.data, lib.hash_at
     )
     return sums
 

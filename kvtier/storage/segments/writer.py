@@ -261,7 +261,10 @@ class Lane:
             return write_run
 
         lib = native.library() if self.native and views is not None and views.single() else None
-        if lib is not None:  # the same runs, hashes and writes in one call of the C loops
+        trusted = self._config.verify == "once"
+        journal = b""
+        locs: list | None = None
+        if lib is not None:  # the same runs, hashes and writes in the C loops
             table = native.make_runs(
                 [fd] * len(runs),
                 [offset for _, _, offset in runs],
@@ -269,10 +272,26 @@ class Lane:
                 [hi - lo for lo, hi, _ in runs],
             )
             addr = np.asarray(views.addresses()[j:k], dtype=np.uint64)  # type: ignore[union-attr]
-            # With a helper, it hashes while this thread writes (native_io.c: one writer a file).
-            got = native.write(
-                lib, table, addr, np.asarray(lengths[j:k], dtype=np.uint64), helpers + 1
-            ).tolist()
+            size = np.asarray(lengths[j:k], dtype=np.uint64)
+            # With a helper: a C thread writes every run (one writer a file) while this one
+            # hashes, then makes the journal entries and index records of the whole share,
+            # which are used as they are unless a run fails. Without a thread (none could be
+            # started), one call: a helper hashes while this thread writes (native_io.c).
+            pending = native.write_start(lib, table, addr, size) if helpers else None
+            if pending is None:
+                got = native.write(lib, table, addr, size, helpers + 1).tolist()
+            else:
+                try:
+                    got = native.hash_records(lib, addr, size).tolist()
+                    xxh3 = [XXH3] * (k - j)
+                    journal = native.encode_entries(
+                        lib, keys[j:k], offsets, lengths[j:k], now, xxh3, got
+                    )
+                    locs = self._index.new_locs(
+                        act.seg, offsets, lengths[j:k], act.seq, now, xxh3, got, trusted
+                    )
+                finally:
+                    pending.wait()  # the buffers are the caller's again only after this
             for r in np.flatnonzero(table["err"]).tolist():
                 log.warning(
                     "segment store %s: append to %s failed: %s",
@@ -293,9 +312,11 @@ class Lane:
         n = stored - j
         if lib is not None:
             algorithms, checksums = [XXH3] * n, got[:n]
-            journal = native.encode_entries(
-                lib, keys[j:stored], offsets[:n], lengths[j:stored], now, algorithms, checksums
-            )
+            if n < k - j or not journal:  # made for every record, or not made
+                journal = native.encode_entries(
+                    lib, keys[j:stored], offsets[:n], lengths[j:stored], now, algorithms, checksums
+                )
+                locs = None
         else:
             algorithms, checksums = zip(*sums[:n]) if n else ((), ())  # type: ignore[assignment]
             journal = encode_entries(
@@ -327,7 +348,8 @@ class Lane:
                 now,
                 algorithms,
                 checksums,
-                trusted=self._config.verify == "once",
+                trusted=trusted,
+                locs=locs,
             )
         act.seq += n
         ok[j:stored] = [True] * n
