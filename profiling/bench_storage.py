@@ -586,6 +586,8 @@ def main() -> None:
         help="only the one-process rows (no two-process rows, no index rebuild): a quick check",
     )
     args = p.parse_args()
+    if args.two_only and args.single_only:
+        p.error("--two-only and --single-only exclude each other")
     sizes = tuple(n << 10 for n in args.pages)
     if any(n <= 0 or (8 << 20) % (n << 10) for n in args.pages):
         p.error(f"--pages must divide 8 MiB (one storage call), got {args.pages}")

@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD KVTIER_CACHE_DIR=${KVTIER_CACHE_DIR:-/tmp/kvtier-cache}
 taskset -c 0,1 python3 profiling/bench_storage.py --dir /tmp --total-mib 256 --repeats 3 \
   --out "$OUT/pinned" 2>&1 | grep -E "^\| |load average|command|rebuild|touched|no plot" | tee "$OUT/pinned.txt"
 python3 profiling/bench_storage.py --dir /tmp --pages 64 256 2048 --single-only --total-mib 256 \
-  --repeats 3 --out "$OUT/all_cpus" 2>&1 | grep -E "^\| |load average|command|no plot" | tee "$OUT/all_cpus.txt"
+  --repeats 3 --out "$OUT/all_cpus" 2>&1 | grep -E "^\| |load average|command|touched|no plot" | tee "$OUT/all_cpus.txt"
 taskset -c 0-3 python3 profiling/bench_storage.py --dir /tmp --two-only --total-mib 256 \
-  --repeats 3 --out "$OUT/two_4cpus" 2>&1 | grep -E "^\| |load average|no plot" | tee "$OUT/two_4cpus.txt"
+  --repeats 3 --out "$OUT/two_4cpus" 2>&1 | grep -E "^\| |load average|touched|no plot" | tee "$OUT/two_4cpus.txt"
 taskset -c 0,1 python3 -m profiling.storage_put_overlap --dir /tmp --rounds 6 2>&1 | tee "$OUT/put_overlap.txt"

@@ -7,7 +7,9 @@ the steps inside it). The bytes written are not checked here: this measures, it 
 
     python3 -m profiling.storage_put_steps --page-kib 64 --dir /tmp
 
-A segment roll (every ``segment_bytes``) is averaged into ``_roll``'s line.
+A segment roll (every ``segment_bytes``) is averaged into ``_roll``'s line. Only page sizes
+that a batch writes through one lane (records under ``writer.LANE_MIN_RECORD``): larger ones
+are split among lanes on several threads, whose steps overlap.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ def main() -> None:
     p.add_argument("--total-mib", type=int, default=256)
     args = p.parse_args()
     page = args.page_kib << 10
+    if page >= writer.LANE_MIN_RECORD:
+        p.error(f"--page-kib must be under {writer.LANE_MIN_RECORD >> 10} (one write lane)")
     src = torch.randint(0, 256, (args.total_mib << 20,), dtype=torch.uint8)
     pages = page_views(src, page)
     per = BATCH_BYTES // page

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -266,6 +267,69 @@ def test_a_failed_run_stores_only_the_records_before_it(
         fresh.close()
     finally:
         os.close(ro)
+
+
+def test_a_put_that_fails_while_its_write_thread_runs_waits_for_it_and_journals_nothing(
+    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error on the caller's side while the C thread writes (here: the hashing raises): the
+    write is waited for before the batch fails, nothing of it is journaled or indexed (a fresh
+    reader serves none of it), and the next put stores and serves its pages."""
+    waited = []
+    write_start = native.write_start
+
+    def started(*args):
+        pending = write_start(*args)
+        wait = pending.wait
+        pending_wait = lambda: (wait(), waited.append(True))  # noqa: E731
+        return _Watched(pending_wait)
+
+    def broken(*args):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(native, "write_start", started)
+    monkeypatch.setattr(native, "hash_records", broken)
+    root = tmp_path / "l3"
+    b = create_backend("file", root=root)
+    pages = pages_of([64 << 10] * 8, 9)
+    assert b.set([PoolTransfer("kv", H[:8], pages)]).ok["kv"] == [False] * 8
+    assert waited == [True], "the write was waited for before the batch failed"
+    monkeypatch.undo()
+    assert b.set([PoolTransfer("kv", H[8:16], pages)]).all_ok
+    fresh = create_backend("file", root=root)
+    for store in (b, fresh):
+        out = [torch.full((64 << 10,), 0xEE, dtype=torch.uint8) for _ in range(16)]
+        assert store.get([PoolTransfer("kv", H[:16], out)]).ok["kv"] == [False] * 8 + [True] * 8
+        assert all(torch.equal(o, p) for o, p in zip(out[8:], pages))
+    b.close()
+    fresh.close()
+
+
+def test_every_waiter_of_a_write_returns_after_it(tmp_path: Path, lib) -> None:
+    """Two threads wait for one started write: neither returns before all its bytes are in the
+    file (the second waiter used to return at once while the first joined)."""
+    data = pages_of([32 << 20], 4)[0]
+    with open(tmp_path / "f", "wb+") as f:
+        runs = native.make_runs([f.fileno()], [0], [0], [1])
+        addr = np.array([data.data_ptr()], dtype=np.uint64)
+        n = np.array([data.numel()], dtype=np.uint64)
+        pending = native.write_start(lib, runs, addr, n)
+        assert pending is not None
+        sizes = []
+        other = threading.Thread(
+            target=lambda: (pending.wait(), sizes.append(os.fstat(f.fileno()).st_size))
+        )
+        other.start()
+        pending.wait()
+        sizes.append(os.fstat(f.fileno()).st_size)
+        other.join()
+        assert sizes == [data.numel()] * 2 and runs["err"].tolist() == [0]
+        assert os.pread(f.fileno(), data.numel(), 0) == data.numpy().tobytes()
+
+
+class _Watched:
+    def __init__(self, wait) -> None:
+        self.wait = wait
 
 
 def test_the_loader_builds_privately_and_refuses_what_it_cannot_trust(

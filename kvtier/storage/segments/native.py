@@ -41,6 +41,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -415,15 +416,14 @@ def _self_test(lib) -> bool:
                 return False
             again = make_runs([f.fileno()], [total], [0], [len(sizes)])  # the same, after it
             pending = write_start(lib, again, data.ctypes.data + at, n)
-            if pending is None:
-                return False
-            try:
-                if hash_records(lib, data.ctypes.data + at, n).tolist() != want:
+            if pending is not None:  # else no thread now: the writer falls back to kvt_write
+                try:
+                    if hash_records(lib, data.ctypes.data + at, n).tolist() != want:
+                        return False
+                finally:
+                    pending.wait()
+                if again["err"].any() or os.pread(f.fileno(), total, total) != data.tobytes():
                     return False
-            finally:
-                pending.wait()
-            if again["err"].any() or os.pread(f.fileno(), total, total) != data.tobytes():
-                return False
             fds = np.full(len(sizes), f.fileno(), dtype=np.int32)
             status, err = read(
                 lib, fds, at.astype(np.int64), back.ctypes.data + at, n, sums, 4096, 2
@@ -538,17 +538,22 @@ class Pending:
     """A write in flight on a thread of its own (``kvt_write_start``), of ``runs`` from records
     at ``addr`` (``lengths`` bytes each); ``wait`` ends it (each run's errno, or 0, in
     ``runs["err"]``). The arrays stay referenced here until then; the caller keeps the records'
-    buffers alive and must call ``wait`` (in a ``finally``) before they may go."""
+    buffers alive and calls ``wait`` (in a ``finally``) before they may go. Any number of
+    threads may wait: each returns only once the write has ended. One never waited for (an
+    interrupt between the start and the caller's ``try``) is joined when it is collected,
+    which the interrupted frame's unwinding does before it releases the caller's buffers."""
 
-    __slots__ = ("_handle", "_keep", "_lib")
+    __slots__ = ("__weakref__", "_done", "_joined", "_keep")
 
     def __init__(self, lib, handle: int, keep: tuple) -> None:
-        self._lib, self._handle, self._keep = lib, handle, keep
+        self._keep = keep
+        self._done = threading.Lock()
+        # The join, once: by wait, or at collection.
+        self._joined = weakref.finalize(self, lib.kvt_write_wait, handle)
 
     def wait(self) -> None:
-        if self._handle is not None:
-            handle, self._handle = self._handle, None
-            self._lib.kvt_write_wait(handle)
+        with self._done:
+            self._joined()  # a no-op after the first call
             self._keep = ()
 
 

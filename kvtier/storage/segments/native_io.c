@@ -279,9 +279,9 @@ int kvt_write(kvt_run *runs, int nruns, const uint64_t *addr, const uint64_t *le
  * the caller hashes the records (kvt_hash_records) and prepares their journal entries and index
  * records; kvt_write_wait joins it. The caller keeps runs and every record's buffer alive until
  * then. Against kvt_write's arrangement (a helper hashes while the caller writes, the Python work
- * after it), paired batch by batch on the H100 host, 64 KiB records: batches ~5% shorter on 2
- * CPUs (median of eleven rounds over two calls, 0.88-1.19 a round), alike on 16 (four rounds;
- * bench_storage.md run N). The store's default. */
+ * after it), paired batch by batch on the H100 host, 64 KiB records: batches ~10% shorter on 2
+ * CPUs (eight rounds, 5-26% each), ~6% on 16 (four rounds); alike on the dev VM, whose XXH3 is
+ * 3-4 times faster (bench_storage.md run N, call 6). The store's default. */
 typedef struct {
     kvt_job job;
     pthread_t thread;

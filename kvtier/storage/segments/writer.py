@@ -4,12 +4,16 @@ Each process (each backend instance) writes only its own segments, ``<writer>-<n
 journal ``<writer>-<n>.kvj`` beside it, where ``<writer>`` is ``<pid>-<8 random hex>``, one writer
 name per write lane (``Lane``; ``Writer`` splits a batch among the lanes). A lane's share is
 laid out back to back at the end of its active segment and cut into runs (up to ``io.RUN_BYTES``);
-each run's payloads are checksummed (``PageViews.checksums``, which brings them into the core's
-cache) and the run written with one ``pwritev`` of the caller's page buffers (pages adjacent in
-memory as one iovec) by the caller's thread or an IO thread, whichever takes it
-(``io.run_shared``). A record larger than a run is hashed and written in pieces of a run's size.
-Then the journal entries of the records before the first failed run, packed for the whole batch
-at once (``encode_entries``), follow with one ``pwrite``; with ``fsync`` both files are
+each run is written with one ``pwritev`` of the caller's page buffers (pages adjacent in memory
+as one iovec) and every record checksummed. In the C loops (``native``) with IO threads and one
+lane, a C thread writes every run while the caller hashes the records and makes the share's
+journal entries and index records, then waits for the write; otherwise one C call hashes and
+writes (a helper hashes while the caller writes), or, in the Python loops, each run is hashed
+(``PageViews.checksums``, which brings it into the core's cache) and written by the caller's
+thread or an IO thread, whichever takes it (``io.run_shared``), a record larger than a run in
+pieces of a run's size. Then the journal entries of the records before the first failed run
+(entries made beforehand are cut to them), packed for the whole batch at once
+(``encode_entries``), follow with one ``pwrite``; with ``fsync`` both files are
 ``fdatasync``-ed once per batch. Records of one size (a batch's usually are) are laid out in
 closed form (``layout``). A segment is preallocated when created, truncated to its records when
 the writer moves on (or closes), and never written again.
