@@ -540,7 +540,7 @@ class Pending:
     ``runs["err"]``). The arrays stay referenced here until then; the caller keeps the records'
     buffers alive and calls ``wait`` (in a ``finally``) before they may go. Any number of
     threads may wait: each returns only once the write has ended. One never waited for (an
-    interrupt between the start and the caller's ``try``) is joined when it is collected,
+    interrupt after it is made and before the caller's ``try``) is joined when it is collected,
     which the interrupted frame's unwinding does before it releases the caller's buffers."""
 
     __slots__ = ("__weakref__", "_done", "_joined", "_keep")
