@@ -24,12 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from kvtier.storage import PoolTransfer, create_backend
 from kvtier.storage.segments import native
-from profiling.bench_storage import BATCH_BYTES, keys_for, page_views
+from profiling.bench_storage import BATCH_BYTES, SETTLE, keys_for, page_views, settle_memory
 
 
 def one_round(work: Path, src: torch.Tensor, page: int, seed: int) -> dict[str, list[float]]:
@@ -42,8 +41,8 @@ def one_round(work: Path, src: torch.Tensor, page: int, seed: int) -> dict[str, 
     pages = page_views(src, page)
     keys = keys_for(seed, len(pages))
     per = BATCH_BYTES // page
-    block = np.ones(2 * src.numel(), dtype=np.uint8)  # settle: see bench_storage.settle_memory
-    del block
+    SETTLE["bytes"] = 2 * src.numel()
+    settle_memory()
     try:
         for i, lo in enumerate(range(0, len(keys), per)):
             which = ("thread", "one call")[(i + seed) % 2]

@@ -286,10 +286,11 @@ class Lane:
                 got = native.write(lib, table, addr, size, helpers + 1).tolist()
             else:
                 try:
-                    got = native.hash_records(lib, addr, size).tolist()
+                    hashed = native.hash_records(lib, addr, size)
+                    got = hashed.tolist()
                     xxh3 = [XXH3] * (k - j)
-                    journal = native.encode_entries(
-                        lib, keys[j:k], offsets, lengths[j:k], now, xxh3, got
+                    journal = native.encode_entries(  # the arrays as they are, no copies
+                        lib, keys[j:k], offsets, size, now, xxh3, hashed
                     )
                     locs = self._index.new_locs(
                         act.seg, offsets, lengths[j:k], act.seq, now, xxh3, got, trusted
