@@ -14,6 +14,7 @@ from kvtier.events.keys import KeySeed, prompt_hashes
 from kvtier.runtime import cache as cache_module
 from kvtier.storage import page_hashes
 from kvtier.storage.keys import canonical_namespace
+from tests.children import child_env
 from tests.events.common import (
     BOUND_S,
     RawPublisher,
@@ -203,7 +204,7 @@ def test_runtime_imports_no_zmq_until_events_are_on():
         "import sys, kvtier, kvtier.runtime.cache, kvtier.events\n"
         "assert 'zmq' not in sys.modules and 'msgspec' not in sys.modules, 'eager import'\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=child_env())
 
 
 def test_estimate_weighs_loading_against_recomputing():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
 import subprocess
 import sys
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from kvtier.storage import KeyScope, Namespace, page_hashes
+from tests.children import child_env
 
 NS = Namespace("meta-llama/Llama-3-8B", "bfloat16", 16, "page_first", tp_size=2)
 LLAMA = Namespace("meta-llama/Llama-3-8B", "bfloat16", 16, "page_first")
@@ -59,7 +59,7 @@ def test_stable_across_processes() -> None:
         "ns = Namespace('meta-llama/Llama-3-8B', 'bfloat16', 16, 'page_first', tp_size=2)\n"
         "print(' '.join(page_hashes(range(64), ns)))\n"
     )
-    env = dict(os.environ, PYTHONHASHSEED="12345")
+    env = child_env(PYTHONHASHSEED="12345")
     out = subprocess.run(
         [sys.executable, "-c", code],
         env=env,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvtier.storage import Namespace, PoolTransfer, StorageBackend, create_backend, page_hashes
+from tests.children import child_env
 
 NS = Namespace("test-model", "bfloat16", 4, "page_first")
 
@@ -121,7 +122,11 @@ def test_objects_outlive_the_writer_process(
         "b.close()\n"
     )
     subprocess.run(
-        [sys.executable, "-c", code, segment_holder], check=True, timeout=60, capture_output=True
+        [sys.executable, "-c", code, segment_holder],
+        check=True,
+        timeout=60,
+        capture_output=True,
+        env=child_env(),
     )
     out = make_pages(4, 1024)
     h = page_hashes(range(16), NS)

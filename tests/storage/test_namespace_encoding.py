@@ -8,7 +8,6 @@ because the radix tree keeps namespaces apart by equality; and the encoding neve
 from __future__ import annotations
 
 import enum
-import os
 import subprocess
 import sys
 from collections import namedtuple
@@ -21,6 +20,7 @@ from kvtier.runtime.config import CacheConfig, StorageConfig
 from kvtier.runtime.l3.pools import namespace_for
 from kvtier.storage import page_hashes
 from kvtier.storage.keys import canonical_namespace
+from tests.children import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = list(range(8))  # two pages of 4
@@ -62,7 +62,7 @@ def seeded_report() -> str:
 
 def run_with_seed(seed: str) -> dict[str, str]:
     code = "from tests.storage.test_namespace_encoding import seeded_report; print(seeded_report())"
-    env = dict(os.environ, PYTHONHASHSEED=seed)
+    env = child_env(PYTHONHASHSEED=seed)
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,

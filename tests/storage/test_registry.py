@@ -11,6 +11,7 @@ import torch
 
 from kvtier import storage
 from kvtier.storage import StorageBackend, available_backends, create_backend, register_backend
+from tests.children import child_env
 
 
 def test_public_api_is_pinned() -> None:
@@ -45,7 +46,12 @@ def test_builtin_backends_are_lazy(tmp_path: Path) -> None:
         "print(sorted(m for m in sys.modules if 'mooncake' in m))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=child_env(),
     )
     assert out.stdout.strip() == "[]", "choosing the file backend must not import Mooncake"
 

@@ -23,6 +23,7 @@ from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import SegmentBackend
 from kvtier.storage.segments import reader as reader_module
 from kvtier.storage.segments.format import RECORD_HEAD
+from tests.children import child_env
 
 NS = Namespace("compaction-test", "bfloat16", 4, "page_first")
 PAGE = 4096
@@ -171,7 +172,7 @@ def test_another_process_reads_through_a_compaction(tmp_path: Path) -> None:
     w, first = half_dead(root)
     script = tmp_path / "reader.py"
     script.write_text(textwrap.dedent(READER).format(page=PAGE))
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = child_env()
     child = subprocess.Popen(
         [sys.executable, str(script), str(root)],
         stdin=subprocess.PIPE,

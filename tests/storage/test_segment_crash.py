@@ -23,6 +23,7 @@ from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import SegmentBackend, native
 from kvtier.storage.segments.format import ENTRY_SIZE, RECORD_HEAD
 from kvtier.storage.segments.writer import LANE_MIN_RECORD
+from tests.children import child_env
 
 NS = Namespace("segment-crash", "bfloat16", 4, "page_first")
 PAGE = 16 << 10
@@ -105,8 +106,7 @@ def killed_writer(tmp_path: Path, budget: int, page: int, batch: int, segment: i
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
-        env=os.environ | {native.ENV_DISABLE: "0"},  # the Python loops, whose pwritev it hooks
+        env=child_env(**{native.ENV_DISABLE: "0"}),  # the Python loops, whose pwritev it hooks
     )
     assert proc.returncode == -9, f"the writer was to be killed: {proc.returncode} {proc.stderr}"
     return len(progress.read_text().split()) if progress.exists() else 0

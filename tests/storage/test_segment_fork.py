@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+from tests.children import child_env
 
 NS = Namespace("segment-fork", "bfloat16", 4, "page_first")
 PAGE = 256 << 10  # at least writer.LANE_MIN_RECORD: a batch is split among the two write lanes
@@ -83,7 +84,7 @@ def run(script: str, root: Path, *args: Path) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
-        cwd=Path(__file__).resolve().parents[2],
+        env=child_env(),
     )
 
 
@@ -197,7 +198,7 @@ def test_a_fork_while_a_segment_is_made_leaves_no_lock_behind(tmp_path: Path) ->
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parents[2],
+        env=child_env(),
     )
     child = None
     try:

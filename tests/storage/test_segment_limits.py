@@ -20,6 +20,7 @@ from kvtier.storage.segments import SegmentBackend
 from kvtier.storage.segments import space as space_module
 from kvtier.storage.segments.format import RECORD_HEAD
 from kvtier.storage.segments.io import IOV_MAX
+from tests.children import child_env
 
 pytestmark = pytest.mark.usefixtures("loops")  # the C loops and the Python loops
 
@@ -66,7 +67,11 @@ def test_root_created_under_any_umask(tmp_path: Path, umask: int) -> None:
     if os.geteuid() != 0:
         cmd = []
     out = subprocess.run(
-        [*cmd, sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [*cmd, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "0o700"

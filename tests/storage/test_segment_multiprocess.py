@@ -20,6 +20,7 @@ from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import SegmentBackend
 from kvtier.storage.segments.format import RECORD_HEAD
 from kvtier.storage.segments.writer import LANE_MIN_RECORD
+from tests.children import child_env
 
 NS = Namespace("segment-mp", "bfloat16", 4, "page_first")
 PAGE = 16 << 10
@@ -108,7 +109,7 @@ def test_two_writers_and_a_reader_share_one_root(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            cwd=Path(__file__).resolve().parents[2],
+            env=child_env(),
         )
         for w in range(2)
     ]

@@ -25,6 +25,7 @@ from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import format as fmt
 from kvtier.storage.segments import native
 from kvtier.storage.segments.io import RUN_BYTES
+from tests.children import child_env
 from tests.storage.conftest import native_library
 
 NS = Namespace("segment-native", "bfloat16", 4, "page_first")
@@ -415,7 +416,7 @@ def test_a_writer_in_the_c_loops_killed_at_a_random_point(tmp_path: Path, seed: 
     script.write_text(textwrap.dedent(WRITER))
     proc = subprocess.Popen(
         [sys.executable, str(script), str(root), str(progress)],
-        cwd=Path(__file__).resolve().parents[2],
+        env=child_env(),
         stderr=subprocess.PIPE,
     )
     try:

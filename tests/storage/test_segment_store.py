@@ -26,6 +26,7 @@ from kvtier.storage import KeyScope, Namespace, PoolTransfer, create_backend, pa
 from kvtier.storage.segments import SegmentBackend
 from kvtier.storage.segments.format import ENTRY_SIZE, RECORD_HEAD
 from kvtier.storage.segments.index import Index
+from tests.children import child_env
 
 pytestmark = pytest.mark.usefixtures("loops")  # the C loops and the Python loops
 
@@ -422,7 +423,7 @@ def in_private_tmpfs(script: str, tmp_path: Path, mount_opts: str) -> subprocess
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
+        env=child_env(),
     )
     if out.returncode == 77 or "unshare failed" in out.stderr:
         pytest.skip(f"cannot mount a private tmpfs here: {out.stderr.strip()[-200:]}")
@@ -635,7 +636,9 @@ def test_start_up_over_more_segments_than_descriptors(tmp_path: Path) -> None:
     print("journals open", sum(s.jfd is not None for s in r._index.segments.values()))
     """
     code = "import sys, torch\n" + CHILD_PRELUDE + textwrap.dedent(script)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=child_env()
+    )
     assert out.returncode == 0, out.stderr
     assert "seen 200" in out.stdout and "journals open 0" in out.stdout, out.stdout
 
@@ -808,7 +811,9 @@ def test_a_writer_gone_leaves_its_newest_journal_final(root: Path, how: str) -> 
     w.close()
     """
     code = "import sys, torch\n" + CHILD_PRELUDE + textwrap.dedent(script)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=child_env()
+    )
     assert "stored" in out.stdout, out.stderr
     assert out.returncode == (-9 if how == "kill" else 0), out.stderr
     with r._index.mutex:

@@ -5,13 +5,14 @@ SIGABRT, found in a user trial following the README)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.children import child_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -71,7 +72,7 @@ def _run(source: str, tmp_path: Path) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=240,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+        env=child_env(),
     )
 
 
