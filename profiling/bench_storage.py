@@ -177,13 +177,27 @@ def raw_read(path: Path, dst: memoryview) -> Batches:
 # -- stores ---------------------------------------------------------------------------------------
 
 
-def page_views(pool: torch.Tensor, page_bytes: int) -> list[torch.Tensor]:
+PAGES = {"parts": 1}  # set by main (--parts): parts per page
+
+
+def page_views(pool: torch.Tensor, page_bytes: int) -> list:
+    """``pool``'s pages of ``page_bytes``: one tensor each, or with ``--parts 2`` two, as a
+    page_first KV host pool gives them (its K range and its V range: page i's first half at
+    place i of the pool's first half, its second half at place i of the second half)."""
     n = pool.numel() // page_bytes
-    return list(pool[: n * page_bytes].view(n, page_bytes).unbind(0))
+    if PAGES["parts"] == 1:
+        return list(pool[: n * page_bytes].view(n, page_bytes).unbind(0))
+    half = page_bytes // 2
+    k, v = pool[: n * page_bytes].view(2, n, half).unbind(0)
+    return list(zip(k.unbind(0), v.unbind(0)))
 
 
-def store_put(b: StorageBackend, keys: list[str], pages: list[torch.Tensor]) -> Batches:
-    per = max(1, BATCH_BYTES // pages[0].numel())
+def page_bytes_of(page) -> int:
+    return page.numel() if isinstance(page, torch.Tensor) else sum(p.numel() for p in page)
+
+
+def store_put(b: StorageBackend, keys: list[str], pages: list) -> Batches:
+    per = max(1, BATCH_BYTES // page_bytes_of(pages[0]))
 
     def one(i: int) -> None:
         lo = i * per
@@ -192,8 +206,8 @@ def store_put(b: StorageBackend, keys: list[str], pages: list[torch.Tensor]) -> 
     return timed(one, len(keys) // per)
 
 
-def store_get(b: StorageBackend, keys: list[str], pages: list[torch.Tensor]) -> Batches:
-    per = max(1, BATCH_BYTES // pages[0].numel())
+def store_get(b: StorageBackend, keys: list[str], pages: list) -> Batches:
+    per = max(1, BATCH_BYTES // page_bytes_of(pages[0]))
 
     def one(i: int) -> None:
         lo = i * per
@@ -307,6 +321,7 @@ def child(args: list[str]) -> None:
     """One of two benchmark processes: ``role root me total page_bytes``; waits for "go" lines
     on stdin before each timed phase and prints its seconds."""
     role, root, me, total, page_bytes = args[0], Path(args[1]), int(args[2]), *map(int, args[3:5])
+    PAGES["parts"] = int(args[5])
     half = total // 2
     g = torch.Generator().manual_seed(me)
     mine = torch.randint(0, 256, (half,), dtype=torch.uint8, generator=g)
@@ -360,6 +375,7 @@ def two_processes(
                             str(me),
                             str(total),
                             str(page_bytes),
+                            str(PAGES["parts"]),
                         ],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
@@ -576,6 +592,13 @@ def main() -> None:
         "none), see settle_memory",
     )
     p.add_argument(
+        "--parts",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="parts per page: 1, or 2 as a page_first KV host pool's pages (K and V ranges)",
+    )
+    p.add_argument(
         "--two-only",
         action="store_true",
         help="only the two-process rows (run it under taskset to give the two processes more CPUs)",
@@ -592,6 +615,7 @@ def main() -> None:
     if any(n <= 0 or (8 << 20) % (n << 10) for n in args.pages):
         p.error(f"--pages must divide 8 MiB (one storage call), got {args.pages}")
     total = args.total_mib << 20
+    PAGES["parts"] = args.parts
     SETTLE["bytes"] = (2 * args.total_mib if args.settle_mib is None else args.settle_mib) << 20
     rebuild_us = None
     assert total % (2 * BATCH_BYTES) == 0, "--total-mib must be a multiple of 16"
@@ -631,6 +655,11 @@ def main() -> None:
         (
             f"- {total >> 20} MiB per measurement, median of {args.repeats} repeats; "
             f"{BATCH_BYTES >> 20} MiB per storage call (raw: per write); cold reads after {how_cold}"
+        ),
+        (
+            "- pages of one part each"
+            if args.parts == 1
+            else "- pages of two parts each (page_first KV: K range and V range, half a page each)"
         ),
         settle_line(),
         "",

@@ -30,6 +30,7 @@ import threading
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 Buffer = bytes | bytearray | memoryview
@@ -364,6 +365,23 @@ class PageViews:
     def counts(self) -> list[int]:
         """How many parts each page has (shared with this object: not to be changed)."""
         return self._counts
+
+    def part_arrays(self, pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The parts of ``pages``, in that order, as arrays: (start, address, size), page
+        ``pages[i]``'s parts at ``start[i]`` .. ``start[i + 1] - 1`` (int64, one more than the
+        pages; address and size uint64)."""
+        sel = np.asarray(pages, dtype=np.int64)
+        if self._single:
+            first = np.arange(len(self._pages) + 1, dtype=np.int64)
+        else:
+            first = np.asarray(self._first, dtype=np.int64)
+        counts = (first[1:] - first[:-1])[sel]
+        start = np.zeros(len(sel) + 1, dtype=np.int64)
+        np.cumsum(counts, out=start[1:])
+        idx = np.repeat(first[sel] - start[:-1], counts) + np.arange(start[-1], dtype=np.int64)
+        ptrs = np.asarray(self._ptrs, dtype=np.uint64)
+        sizes = np.asarray(self._sizes, dtype=np.uint64)
+        return start, ptrs[idx], sizes[idx]
 
     def lengths(self) -> list[int]:
         """Each page's length in bytes (shared with this object: not to be changed)."""

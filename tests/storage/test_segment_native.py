@@ -44,20 +44,57 @@ def pages_of(sizes: list[int], seed: int) -> list[torch.Tensor]:
     return list(pool.split(sizes))
 
 
+def split_into_parts(
+    sizes: list[int], rng: random.Random
+) -> tuple[native.Parts, list[list[torch.Tensor]]]:
+    """Each record cut into 1-3 parts (some empty), each part a buffer of its own poisoned with
+    0xEE and one guard byte past it: the ``Parts`` and the part buffers (guard included)."""
+    start, addr, size, bufs = [0], [], [], []
+    for n in sizes:
+        cuts = sorted(rng.randrange(n + 1) for _ in range(rng.randrange(3)))
+        lens = [b - a for a, b in zip([0, *cuts], [*cuts, n])]
+        mine = [torch.full((k + 1,), 0xEE, dtype=torch.uint8) for k in lens]
+        addr += [b.data_ptr() for b in mine]
+        size += lens
+        start.append(start[-1] + len(lens))
+        bufs.append(mine)
+    parts = native.Parts(
+        np.array(start, dtype=np.int64), np.array(addr, dtype=np.uint64), np.array(size, np.uint64)
+    )
+    return parts, bufs
+
+
+@pytest.mark.parametrize("in_parts", [False, True], ids=["one-part", "parts"])
 @pytest.mark.parametrize("trusting", [False, True], ids=["always", "once"])
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_records_in_any_arrangement_are_read_and_checked(
-    tmp_path: Path, lib, stream: bool, trusting: bool, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    lib,
+    stream: bool,
+    trusting: bool,
+    in_parts: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Records in two files with gaps, sizes around a run's, empty ones and a closed file's
-    (negative descriptor), read into scattered buffers: each record's verdict and bytes as a
-    plain loop says (the C loop cuts the runs itself). Records over a run are hashed as their
-    pieces land (the binding's streaming XXH3) or, without it, whole after the last. Trusted
-    records (``verify="once"``) are served once read in full, unchecked, as the Python loops do."""
+    (negative descriptor), read into scattered buffers, or into 1-3 scattered parts each: each
+    record's verdict and bytes as a plain loop says (the C loop cuts the runs itself). Records
+    over a run are hashed as their pieces land (the binding's streaming XXH3) or, without it,
+    whole after the last. Trusted records (``verify="once"``) are served once read in full,
+    unchecked, as the Python loops do. Parts need the streaming calls (refused without)."""
     if stream and lib.stream_at is None:
         pytest.skip("the binding's streaming XXH3 calls are not callable here")
     if not stream:
         monkeypatch.setattr(lib, "stream_at", None)
+    if in_parts and not stream:
+        parts, _ = split_into_parts([10, 20], random.Random(1))
+        n = np.array([10, 20], dtype=np.uint64)
+        with pytest.raises(ValueError, match="several parts"):
+            native.read(
+                lib, np.zeros(2, np.int32), np.zeros(2, np.int64), parts, n, n, RUN_BYTES, 1
+            )
+        with pytest.raises(ValueError, match="several parts"):
+            native.hash_records(lib, parts, n)
+        return
     rng = random.Random(5)
     files = [os.open(tmp_path / f"f{k}", os.O_RDWR | os.O_CREAT, 0o600) for k in range(2)]
     try:
@@ -84,6 +121,9 @@ def test_records_in_any_arrangement_are_read_and_checked(
             if trusting:
                 trusted[flipped] = rng.random() < 0.5
             out = [torch.full((size + 1,), 0xEE, dtype=torch.uint8) for _, _, size in recs]
+            into: np.ndarray | native.Parts = np.array([o.data_ptr() for o in out], np.uint64)
+            if in_parts:
+                into, bufs = split_into_parts([size for _, _, size in recs], rng)
             status, err = native.read(
                 lib,
                 np.array(
@@ -91,7 +131,7 @@ def test_records_in_any_arrangement_are_read_and_checked(
                     dtype=np.int32,
                 ),
                 np.array([at for _, at, _ in recs], dtype=np.int64),
-                np.array([o.data_ptr() for o in out], dtype=np.uint64),
+                into,
                 np.array([size for _, _, size in recs], dtype=np.uint64),
                 np.array(sums, dtype=np.uint64),
                 RUN_BYTES,
@@ -99,6 +139,10 @@ def test_records_in_any_arrangement_are_read_and_checked(
                 np.array(trusted, dtype=np.uint8) if trusting else None,
             )
             assert err == 0
+            if in_parts:  # each record's parts, guard bytes dropped, back to back
+                for i, mine in enumerate(bufs):
+                    assert all(int(b[-1]) == 0xEE for b in mine), "nothing past a part"
+                    out[i][:-1] = torch.cat([b[:-1] for b in mine])
             for i, (got, o, page) in enumerate(zip(status.tolist(), out, data)):
                 if i in closed:
                     assert got == 0 and bool((o == 0xEE).all()), "not read: untouched"
@@ -130,58 +174,120 @@ def test_journal_entries_equal_the_python_encoding(lib) -> None:
         assert used == len(got) and [e.key for e in parsed] == keys
 
 
+def as_parts(pages: list[torch.Tensor], pool: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+    """Each page as two parts, as a page_first KV page's K and V ranges: its first half at
+    page i's place in the first half of ``pool``, its second half at that place in the second
+    half (``pool`` holds twice the pages' bytes, poisoned; what lies between stays so)."""
+    out, at, half = [], 0, pool.numel() // 2
+    for page in pages:
+        k = page.numel() // 2
+        first, second = pool[at : at + k], pool[half + at : half + at + page.numel() - k]
+        first.copy_(page[:k])
+        second.copy_(page[k:])
+        out.append((first, second))
+        at += page.numel() + 1  # a poisoned byte between pages
+    return out
+
+
+def counting(monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> dict[str, int]:
+    """How often each of ``native``'s calls ``names`` runs from here on."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(native, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(native, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("parts", [1, 2], ids=["one-part", "two-parts"])
 @pytest.mark.parametrize("writer", ["native", "python"])
 @pytest.mark.parametrize("reader", ["native", "python"])
 def test_each_path_reads_what_the_other_wrote(
-    tmp_path: Path, writer: str, reader: str, lib, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, writer: str, reader: str, parts: int, lib, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mixed sizes (empty, odd, a run's, larger than a run), several batches and segments,
-    a get in shuffled order with absent keys: served pages are exact, absent ones untouched."""
+    a get in shuffled order with absent keys: served pages are exact, absent ones untouched;
+    pages of one part, or of two (a page_first KV page's K and V ranges), which the C loops
+    move too where the binding has the streaming XXH3 calls."""
     sizes = [0, 1, 4095, 65536, RUN_BYTES, RUN_BYTES + 3, 3 * RUN_BYTES + 7, 12_345] * 3
     keys = H[: len(sizes)]
     pages = pages_of(sizes, 11)
+    room = 2 * (sum(sizes) + len(sizes) + 77 + 2)
+    src: list = pages
+    if parts == 2:
+        src = as_parts(pages, torch.full((room,), 0xEE, dtype=torch.uint8))
+    calls = counting(monkeypatch, ("write_start", "write", "read"))
     root = tmp_path / "l3"
     w = create_backend("file", root=root, segment_bytes=2 << 20, native=writer == "native")
     for lo in range(0, len(keys), 5):
-        assert w.set([PoolTransfer("kv", keys[lo : lo + 5], pages[lo : lo + 5])]).all_ok
+        assert w.set([PoolTransfer("kv", keys[lo : lo + 5], src[lo : lo + 5])]).all_ok
     r = create_backend("file", root=root, native=reader == "native")
     order = list(range(len(keys))) + [len(keys), len(keys) + 1]  # two never written
     random.Random(3).shuffle(order)
     want_keys = [H[i] for i in order]
-    out = [
-        torch.full((sizes[i] if i < len(sizes) else 77,), 0xEE, dtype=torch.uint8) for i in order
-    ]
-    ok = r.get([PoolTransfer("kv", want_keys, out)]).ok["kv"]
+    wanted = [sizes[i] if i < len(sizes) else 77 for i in order]
+    out = [torch.full((n,), 0xEE, dtype=torch.uint8) for n in wanted]
+    into: list = out
+    if parts == 2:
+        pool = torch.full((room,), 0xEE, dtype=torch.uint8)
+        into = as_parts(out, pool)
+        pool.fill_(0xEE)  # as_parts copied the poison in; refill the gaps all the same
+    ok = r.get([PoolTransfer("kv", want_keys, into)]).ok["kv"]
+    if parts == 2:
+        for buf, (first, second) in zip(out, into):
+            buf.copy_(torch.cat([first, second]))
+        ends = [p.data_ptr() - pool.data_ptr() + p.numel() for q in into for p in q if p.numel()]
+        assert all(int(pool[e]) == 0xEE for e in ends if e < room), "nothing between parts"
     for got, i, buf in zip(ok, order, out):
         if i < len(sizes):
             assert got and torch.equal(buf, pages[i]), f"page {i}"
         else:
             assert not got and bool((buf == 0xEE).all()), "an absent page's buffer untouched"
     assert r.metrics.snapshot()["checksum_miss_pages"] == 0
+    if parts == 1 or lib.stream_at is not None:  # the C loops took every batch of their side
+        assert (calls["write_start"] + calls["write"] > 0) == (writer == "native")
+        assert (calls["read"] > 0) == (reader == "native")
     w.close()
     r.close()
 
 
+@pytest.mark.parametrize("parts", [1, 2], ids=["one-part", "two-parts"])
 @pytest.mark.parametrize("loops", ["native", "python"], indirect=True)
-def test_torn_and_flipped_records_are_counted_misses(tmp_path: Path, loops: str) -> None:
+def test_torn_and_flipped_records_are_counted_misses(
+    tmp_path: Path, loops: str, parts: int
+) -> None:
     """A flipped byte in one record and a segment cut inside another: both misses (counted,
-    dropped from the index), every other page of the batch served exactly."""
+    dropped from the index), every other page of the batch served exactly; pages of one part,
+    and of two (written and read as two)."""
     sizes = [65536] * 6 + [RUN_BYTES + 100]
     keys, pages = H[100 : 100 + len(sizes)], pages_of(sizes, 12)
+    room = 2 * (sum(sizes) + len(sizes))
+    src = pages if parts == 1 else as_parts(pages, torch.zeros(room, dtype=torch.uint8))
     root = tmp_path / "l3"
     w = create_backend("file", root=root)
-    assert w.set([PoolTransfer("kv", keys, pages)]).all_ok
+    assert w.set([PoolTransfer("kv", keys, src)]).all_ok
     w.close()
     (seg,) = root.glob("*.kvs")
+    flip = 2 * 65536 + (999 if parts == 1 else 40_000)  # in the second part's bytes
     with open(seg, "r+b") as f:
-        f.seek(2 * 65536 + 999)
+        f.seek(flip)
         byte = f.read(1)
-        f.seek(2 * 65536 + 999)
+        f.seek(flip)
         f.write(bytes([byte[0] ^ 1]))
         f.truncate(6 * 65536 + RUN_BYTES // 2)  # inside the last (large) record
     r = create_backend("file", root=root)
     out = [torch.full((n,), 0xEE, dtype=torch.uint8) for n in sizes]
-    ok = r.get([PoolTransfer("kv", keys, out)]).ok["kv"]
+    into: list = out
+    if parts == 2:
+        into = as_parts(out, torch.zeros(room, dtype=torch.uint8))
+    ok = r.get([PoolTransfer("kv", keys, into)]).ok["kv"]
+    if parts == 2:
+        for buf, (first, second) in zip(out, into):
+            buf.copy_(torch.cat([first, second]))
     assert ok == [True, True, False, True, True, True, False]
     for i in (0, 1, 3, 4, 5):
         assert torch.equal(out[i], pages[i])
@@ -227,15 +333,19 @@ def test_the_wrappers_report_short_files_and_bad_descriptors(tmp_path: Path, lib
     assert path.read_bytes() == data.numpy().tobytes()[:4000], "the failed write wrote nothing"
 
 
+@pytest.mark.parametrize("parts", [1, 2], ids=["one-part", "two-parts"])
 @pytest.mark.parametrize("started", [True, False], ids=["write-thread", "one-call"])
 def test_a_failed_run_stores_only_the_records_before_it(
-    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch, started: bool
+    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch, started: bool, parts: int
 ) -> None:
     """A run whose write fails (its descriptor swapped for a read-only one) fails its records and
     every later record of the batch; the records before it are stored, journaled and indexed
     (the entries and index records made while the bytes were written are cut to them), for this
     store and for a fresh reader; the segment takes no more. Both C write paths: a thread of its
-    own writing while the caller hashes, and the one call (no thread could be started)."""
+    own writing while the caller hashes, and the one call (no thread could be started); pages
+    of one part and of two."""
+    if parts == 2 and lib.stream_at is None:
+        pytest.skip("the binding's streaming XXH3 calls are not callable here")
     ro = os.open(tmp_path / "read-only", os.O_RDONLY | os.O_CREAT, 0o600)
     make_runs = native.make_runs
 
@@ -250,10 +360,15 @@ def test_a_failed_run_stores_only_the_records_before_it(
         monkeypatch.setattr(native, "write_start", lambda *args: None)
     sizes = [64 << 10] * 12  # runs of RUN_BYTES: four records each
     pages, keys = pages_of(sizes, 5), H[:12]
+    src = (
+        pages
+        if parts == 1
+        else as_parts(pages, torch.zeros(2 * (sum(sizes) + 12), dtype=torch.uint8))
+    )
     root = tmp_path / "l3"
     try:
         b = create_backend("file", root=root)
-        assert b.set([PoolTransfer("kv", keys, pages)]).ok["kv"] == [True] * 4 + [False] * 8
+        assert b.set([PoolTransfer("kv", keys, src)]).ok["kv"] == [True] * 4 + [False] * 8
         monkeypatch.undo()
         assert b.set([PoolTransfer("kv", H[12:14], pages_of([4096, 4096], 6))]).all_ok
         fresh = create_backend("file", root=root)
@@ -383,18 +498,25 @@ import sys, torch
 from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import native
 assert native.available()
-root, progress = sys.argv[1], sys.argv[2]
+root, progress, parts = sys.argv[1], sys.argv[2], int(sys.argv[3])
 H = page_hashes(range(64 * 1024), Namespace("segment-native", "bfloat16", 4, "page_first"))
 b = create_backend("file", root=root, segment_bytes=8 << 20)
+pool = torch.zeros(2 * 64 * 16384, dtype=torch.uint8)  # two halves: K ranges, then V ranges
 
-def page(h):
+def page(h, i):
     g = torch.Generator().manual_seed(int(h[:15], 16))
-    return torch.randint(0, 256, (16384,), dtype=torch.uint8, generator=g)
+    x = torch.randint(0, 256, (16384,), dtype=torch.uint8, generator=g)
+    if parts == 1:
+        return x
+    k, v = pool[i * 8192 : (i + 1) * 8192], pool[(64 + i) * 8192 : (65 + i) * 8192]
+    k.copy_(x[:8192])
+    v.copy_(x[8192:])
+    return (k, v)
 
 with open(progress, "w") as log:
     for n in range(1024):
         keys = H[n * 64 : (n + 1) * 64]
-        assert b.set([PoolTransfer("kv", keys, [page(h) for h in keys])]).all_ok
+        assert b.set([PoolTransfer("kv", keys, [page(h, i) for i, h in enumerate(keys)])]).all_ok
         log.write(f"{n}\\n")
         log.flush()
 """
@@ -406,16 +528,23 @@ def expected(h: str) -> torch.Tensor:
     return torch.randint(0, 256, (16384,), dtype=torch.uint8, generator=g)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_a_writer_in_the_c_loops_killed_at_a_random_point(tmp_path: Path, seed: int, lib) -> None:
-    """SIGKILL at a random moment of a stream of batches (16 KiB pages, 64 a batch): every page
-    a fresh reader serves has exactly the bytes written, every batch the writer saw complete is
-    served, and a new writer takes the root over."""
+@pytest.mark.parametrize(
+    ("seed", "parts"), [(0, 1), (1, 1), (2, 1), (3, 2), (4, 2)], ids=lambda v: str(v)
+)
+def test_a_writer_in_the_c_loops_killed_at_a_random_point(
+    tmp_path: Path, seed: int, parts: int, lib
+) -> None:
+    """SIGKILL at a random moment of a stream of batches (16 KiB pages, 64 a batch; of one part
+    each, or of two, as page_first KV pages): every page a fresh reader serves has exactly the
+    bytes written, every batch the writer saw complete is served, and a new writer takes the
+    root over."""
+    if parts == 2 and lib.stream_at is None:
+        pytest.skip("the binding's streaming XXH3 calls are not callable here")
     root, progress = tmp_path / "l3", tmp_path / "progress"
     script = tmp_path / "writer.py"
     script.write_text(textwrap.dedent(WRITER))
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(root), str(progress)],
+        [sys.executable, str(script), str(root), str(progress), str(parts)],
         env=child_env(),
         stderr=subprocess.PIPE,
     )
@@ -522,3 +651,19 @@ def test_the_cache_guards_against_cut_files_other_compilers_and_open_parents(
     (tmp_path / "link").symlink_to(home)
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "link"))
     assert native._load() is not None
+
+
+def test_pages_of_more_parts_than_a_syscall_takes_go_through_the_python_loops(
+    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page of more parts than one ``pwritev`` takes (1,100 parts of 7 bytes) is written and
+    read by the Python loops, which cut it into several syscalls; exact both ways."""
+    calls = counting(monkeypatch, ("write_start", "write", "read"))
+    page = pages_of([7 * 1100], 21)[0]
+    b = create_backend("file", root=tmp_path / "l3")
+    assert b.set([PoolTransfer("kv", H[:1], [list(page.split(7))])]).all_ok
+    out = torch.full((7 * 1100,), 0xEE, dtype=torch.uint8)
+    assert b.get([PoolTransfer("kv", H[:1], [list(out.split(7))])]).all_ok
+    assert torch.equal(out, page)
+    assert calls == {"write_start": 0, "write": 0, "read": 0}
+    b.close()

@@ -22,7 +22,9 @@ that will not load or fails its self-test, once. Where no compiler works, the re
 runs the same loops in Python (``available()`` is False); results are identical.
 
 The checksum is the ``xxhash`` binding's own XXH3-64, called by address from C, so a record
-written by either path verifies on the other.
+written by either path verifies on the other. A record of several parts (``Parts``: a page_first
+KV page's K and V ranges) is hashed through the binding's streaming calls as one stream; where
+the binding does not export them, such pages run in the Python loops (``takes``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple, Union
 
 import numpy as np
 
@@ -51,11 +55,14 @@ from kvtier.storage.segments.format import ENTRY_SIZE
 __all__ = [
     "ENV_DISABLE",
     "RUN",
+    "Parts",
     "available",
+    "buffers",
     "encode_entries",
     "library",
     "make_runs",
     "read",
+    "takes",
     "write",
 ]
 
@@ -65,8 +72,9 @@ ENV_DISABLE = "KVTIER_NATIVE"
 """Set to ``0`` (or ``false``, ``no``, ``off``) to run the segment store's loops in Python."""
 _SOURCE = Path(__file__).with_name("native_io.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c11", "-Wall")
-_ABI = 2
+_ABI = 3
 _BUILD_TIMEOUT_S = 120.0
+_IOV_MAX = 1024  # native_io.c's KVT_IOV: iovecs a syscall takes
 
 RUN = np.dtype(
     [("offset", "<i8"), ("fd", "<i4"), ("first", "<i4"), ("count", "<i4"), ("err", "<i4")]
@@ -370,6 +378,8 @@ def _open(target: Path, hash_at: int) -> object | None:
         vp,
         vp,
         vp,
+        vp,
+        vp,
         i32,
         ctypes.c_int64,
         i32,
@@ -379,13 +389,13 @@ def _open(target: Path, hash_at: int) -> object | None:
         vp,
     )
     lib.kvt_write.restype = i32
-    lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, i32, vp)
+    lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, vp, vp, i32, vp, vp)
     lib.kvt_write_start.restype = vp
-    lib.kvt_write_start.argtypes = (vp, i32, vp, vp)
+    lib.kvt_write_start.argtypes = (vp, i32, vp, vp, vp, vp)
     lib.kvt_write_wait.restype = None
     lib.kvt_write_wait.argtypes = (vp,)
-    lib.kvt_hash_records.restype = None
-    lib.kvt_hash_records.argtypes = (vp, vp, i32, vp, vp)
+    lib.kvt_hash_records.restype = i32
+    lib.kvt_hash_records.argtypes = (vp, vp, vp, vp, i32, vp, vp, vp)
     lib.kvt_encode_entries.restype = ctypes.c_int64
     lib.kvt_encode_entries.argtypes = (vp, vp, i32, vp, vp, u64, vp, vp, vp)
     lib.hash_at = hash_at
@@ -428,6 +438,10 @@ def _self_test(lib) -> bool:
             status, err = read(
                 lib, fds, at.astype(np.int64), back.ctypes.data + at, n, sums, 4096, 2
             )
+            if lib.stream_at is not None and not _parts_test(
+                lib, f.fileno(), data, sizes, want, total
+            ):
+                return False
     except OSError:
         return False
     keys = ["a" * 64, "b" * 70]
@@ -438,6 +452,48 @@ def _self_test(lib) -> bool:
         and bytes(back) == bytes(data)
         and entries == fmt.encode_entries(keys, [4096, 0], [65536, 7], 123, [1, 2], [2**64 - 1, 5])
     )
+
+
+def _parts_test(lib, fd: int, data: np.ndarray, sizes: list[int], want: list[int], at: int) -> bool:
+    """Records of two parts each, their halves swapped in memory, written at file offset ``at``
+    (both write calls), hashed and read back into parts (the large one in pieces)."""
+    mixed = np.empty_like(data)
+    start, paddr, psize = [0], [], []
+    pos = 0
+    for s in sizes:  # record bytes data[pos:pos+s] = its first half, then its second
+        h = s // 2
+        mixed[pos : pos + s - h] = data[pos + h : pos + s]  # second half first in memory
+        mixed[pos + s - h : pos + s] = data[pos : pos + h]
+        paddr += [mixed.ctypes.data + pos + s - h, mixed.ctypes.data + pos]
+        psize += [h, s - h]
+        start.append(start[-1] + 2)
+        pos += s
+    parts = Parts(
+        np.asarray(start, dtype=np.int64),
+        np.asarray(paddr, dtype=np.uint64),
+        np.asarray(psize, dtype=np.uint64),
+    )
+    n = np.asarray(sizes, dtype=np.uint64)
+    offsets = at + np.cumsum([0, *sizes[:-1]]).astype(np.int64)
+    runs = make_runs([fd], [at], [0], [len(sizes)])
+    if write(lib, runs, parts, n, 2).tolist() != want or runs["err"].any():
+        return False
+    runs = make_runs([fd], [at], [0], [len(sizes)])
+    pending = write_start(lib, runs, parts, n)
+    if pending is not None:
+        try:
+            if hash_records(lib, parts, n).tolist() != want:
+                return False
+        finally:
+            pending.wait()
+    if runs["err"].any() or os.pread(fd, int(n.sum()), at) != data.tobytes():
+        return False
+    back = np.zeros_like(mixed)
+    into = Parts(parts.start, parts.addr - mixed.ctypes.data + back.ctypes.data, parts.size)
+    fds = np.full(len(sizes), fd, dtype=np.int32)
+    sums = np.asarray(want, dtype=np.uint64)
+    status, err = read(lib, fds, offsets, into, n, sums, 4096, 2)
+    return status.tolist() == [1] * len(sizes) and err == 0 and bytes(back) == bytes(mixed)
 
 
 def _after_fork_in_child() -> None:
@@ -477,34 +533,85 @@ def make_runs(fds, offsets, first, count) -> np.ndarray:
     return out
 
 
+class Parts(NamedTuple):
+    """A batch's records as parts (a page_first KV page: its K range and its V range): record k
+    is parts ``start[k]`` .. ``start[k + 1] - 1`` (int64, one more than the records), part p
+    ``size[p]`` bytes at ``addr[p]`` (uint64 each). Where every record is one part, the calls
+    below take the records' addresses as a plain uint64 array instead."""
+
+    start: np.ndarray
+    addr: np.ndarray
+    size: np.ndarray
+
+
+Buffers = Union[np.ndarray, Parts]
+
+
+def takes(lib, views) -> bool:
+    """Whether ``lib`` moves the pages of ``views`` (a ``PageViews``): pages of one part each,
+    or, where it has the binding's streaming XXH3 calls to hash them, pages of several parts
+    (a page_first KV page's K and V ranges), at most ``IOV_MAX`` parts a page (a syscall's)."""
+    return views.single() or (lib.stream_at is not None and max(views.counts()) <= _IOV_MAX)
+
+
+def buffers(views, pages: Sequence[int]) -> Buffers:
+    """The buffers of ``views``' (a ``PageViews``) ``pages``, in that order: their addresses
+    where every page is one part, else their ``Parts``."""
+    if views.single():
+        ptrs = views.addresses()
+        if isinstance(pages, range) and pages.step == 1:
+            return np.asarray(ptrs[pages.start : pages.stop], dtype=np.uint64)
+        return np.asarray(ptrs, dtype=np.uint64)[np.asarray(pages, dtype=np.intp)]
+    return Parts(*views.part_arrays(pages))
+
+
+def _records(buffers: Buffers, lengths: np.ndarray) -> tuple[int | None, int, int]:
+    """The C calls' (pstart, paddr, plen) pointers for ``buffers`` of records of ``lengths``."""
+    if isinstance(buffers, Parts):
+        return buffers.start.ctypes.data, buffers.addr.ctypes.data, buffers.size.ctypes.data
+    return None, buffers.ctypes.data, lengths.ctypes.data
+
+
+def _checked(got: int, what: str) -> None:
+    if got == -2:
+        raise MemoryError(f"segment store: no memory for a batch's {what}")
+    if got == -3:
+        raise ValueError(
+            f"segment store: records of several parts need the binding's streaming XXH3 ({what})"
+        )
+
+
 def read(
     lib,
     fds: np.ndarray,
     offsets: np.ndarray,
-    addr: np.ndarray,
+    buffers: Buffers,
     lengths: np.ndarray,
     sums: np.ndarray,
     run_bytes: int,
     threads: int,
     trusted: np.ndarray | None = None,
 ) -> tuple[np.ndarray, int]:
-    """Read records sorted by file and offset (``fds`` int32, ``offsets`` int64) into ``addr``
-    (``lengths`` bytes each; uint64) and check each against ``sums`` (XXH3-64, uint64), on up
-    to ``threads`` threads, in runs of back-to-back records cut at about ``run_bytes``: per
-    record 1 (served), 2 (failed verification, or cut short by the file's end), 3 (its read
-    failed) or 0 (not read: a negative descriptor); and the errno of the first failed read (0
-    if none). ``trusted`` (uint8, or None): records served, once read in full, without a check
-    (``verify="once"``)."""
-    status = np.zeros(len(addr), dtype=np.uint8)
+    """Read records sorted by file and offset (``fds`` int32, ``offsets`` int64; ``lengths``
+    bytes each, uint64) into ``buffers`` (their addresses, uint64, or their ``Parts``) and check
+    each against ``sums`` (XXH3-64, uint64), on up to ``threads`` threads, in runs of
+    back-to-back records cut at about ``run_bytes``: per record 1 (served), 2 (failed
+    verification, or cut short by the file's end), 3 (its read failed) or 0 (not read: a
+    negative descriptor); and the errno of the first failed read (0 if none). ``trusted``
+    (uint8, or None): records served, once read in full, without a check (``verify="once"``)."""
+    status = np.zeros(len(lengths), dtype=np.uint8)
     err = ctypes.c_int32(0)
+    pstart, paddr, plen = _records(buffers, lengths)
     got = lib.kvt_read_records(
         fds.ctypes.data,
         offsets.ctypes.data,
-        addr.ctypes.data,
         lengths.ctypes.data,
+        pstart,
+        paddr,
+        plen,
         sums.ctypes.data,
         status.ctypes.data,
-        len(addr),
+        len(lengths),
         run_bytes,
         threads,
         None if trusted is None else trusted.ctypes.data,
@@ -512,31 +619,35 @@ def read(
         lib.stream_at,
         ctypes.byref(err),
     )
-    if got == -2:
-        raise MemoryError("segment store: no memory for a batch's runs")
+    _checked(got, "runs")
     return status, err.value
 
 
-def write(lib, runs: np.ndarray, addr: np.ndarray, lengths: np.ndarray, threads: int) -> np.ndarray:
-    """Hash each record at ``addr`` (``lengths`` bytes; uint64 arrays) and write ``runs``, on up
-    to ``threads`` threads; each record's XXH3-64 (a run whose write failed has its errno in
-    ``err``)."""
-    sums = np.zeros(len(addr), dtype=np.uint64)
-    lib.kvt_write(
+def write(lib, runs: np.ndarray, buffers: Buffers, lengths: np.ndarray, threads: int) -> np.ndarray:
+    """Hash each record (``lengths`` bytes, uint64, at ``buffers``: their addresses, uint64, or
+    their ``Parts``) and write ``runs``, on up to ``threads`` threads; each record's XXH3-64 (a
+    run whose write failed has its errno in ``err``)."""
+    sums = np.zeros(len(lengths), dtype=np.uint64)
+    pstart, paddr, plen = _records(buffers, lengths)
+    got = lib.kvt_write(
         runs.ctypes.data,
         len(runs),
-        addr.ctypes.data,
         lengths.ctypes.data,
+        pstart,
+        paddr,
+        plen,
         sums.ctypes.data,
         threads,
         lib.hash_at,
+        lib.stream_at,
     )
+    _checked(got, "checksums")
     return sums
 
 
 class Pending:
     """A write in flight on a thread of its own (``kvt_write_start``), of ``runs`` from records
-    at ``addr`` (``lengths`` bytes each); ``wait`` ends it (each run's errno, or 0, in
+    at ``buffers`` (``lengths`` bytes each); ``wait`` ends it (each run's errno, or 0, in
     ``runs["err"]``). The arrays stay referenced here until then; the caller keeps the records'
     buffers alive and calls ``wait`` (in a ``finally``) before they may go. Any number of
     threads may wait: each returns only once the write has ended. One never waited for (an
@@ -557,20 +668,33 @@ class Pending:
             self._keep = ()
 
 
-def write_start(lib, runs: np.ndarray, addr: np.ndarray, lengths: np.ndarray) -> Pending | None:
-    """Start writing ``runs`` (records at ``addr``, ``lengths`` bytes each; uint64 arrays) on a
-    thread of the C loops' own, unhashed; None if no thread could be started (nothing written)."""
-    handle = lib.kvt_write_start(runs.ctypes.data, len(runs), addr.ctypes.data, lengths.ctypes.data)
-    return None if handle is None else Pending(lib, handle, (runs, addr, lengths))
-
-
-def hash_records(lib, addr: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Each record's XXH3-64 (records at ``addr``, ``lengths`` bytes each; uint64 arrays), on
-    the calling thread without the GIL."""
-    sums = np.zeros(len(addr), dtype=np.uint64)
-    lib.kvt_hash_records(
-        addr.ctypes.data, lengths.ctypes.data, len(addr), sums.ctypes.data, lib.hash_at
+def write_start(lib, runs: np.ndarray, buffers: Buffers, lengths: np.ndarray) -> Pending | None:
+    """Start writing ``runs`` (records of ``lengths`` bytes, uint64, at ``buffers``: their
+    addresses, uint64, or their ``Parts``) on a thread of the C loops' own, unhashed; None if no
+    thread could be started (nothing written)."""
+    pstart, paddr, plen = _records(buffers, lengths)
+    handle = lib.kvt_write_start(
+        runs.ctypes.data, len(runs), lengths.ctypes.data, pstart, paddr, plen
     )
+    return None if handle is None else Pending(lib, handle, (runs, buffers, lengths))
+
+
+def hash_records(lib, buffers: Buffers, lengths: np.ndarray) -> np.ndarray:
+    """Each record's XXH3-64 (records of ``lengths`` bytes, uint64, at ``buffers``: their
+    addresses, uint64, or their ``Parts``), on the calling thread without the GIL."""
+    sums = np.zeros(len(lengths), dtype=np.uint64)
+    pstart, paddr, plen = _records(buffers, lengths)
+    got = lib.kvt_hash_records(
+        lengths.ctypes.data,
+        pstart,
+        paddr,
+        plen,
+        len(lengths),
+        sums.ctypes.data,
+        lib.hash_at,
+        lib.stream_at,
+    )
+    _checked(got, "checksums")
     return sums
 
 

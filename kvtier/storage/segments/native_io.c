@@ -6,10 +6,12 @@
  * runs the same loops in Python where no compiler is found. No Python API is used here.
  *
  * Records: arrays indexed by record, in file order within each run. A run is `count` records
- * lying back to back in one file from `offset`; its records' buffers are `addr[i]`, `len[i]`
- * bytes each (buffers next to each other in memory become one iovec). The checksum is XXH3-64,
- * through the function pointer the caller passes (the xxhash binding's own), so both paths
- * hash with the same code.
+ * lying back to back in one file from `offset`. Record k is `rlen[k]` bytes, the concatenation
+ * of its parts pstart[k] .. pstart[k+1]-1, part p at `paddr[p]`, `plen[p]` bytes (a page_first
+ * KV page: its K range and its V range); without `pstart` (NULL) part k is record k. Buffers
+ * next to each other in memory become one iovec. The checksum is XXH3-64 of a record's bytes,
+ * through the function pointers the caller passes (the xxhash binding's own: one-shot for a
+ * record of one part, streaming for one of several), so both paths hash with the same code.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -20,7 +22,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define KVT_ABI 2
+#define KVT_ABI 3
 #define KVT_IOV 1024   /* iovecs per syscall (Linux's IOV_MAX) */
 #define KVT_THREADS 8  /* most threads one call uses, the caller's included */
 
@@ -46,22 +48,68 @@ typedef struct {
 
 int kvt_abi(void) { return KVT_ABI; }
 
-/* The run's buffers as iovecs, neighbours in memory merged; how many (at most `cap`; records
- * beyond that go in the next syscall of the run). *upto: the record after the last taken. */
-static int fill(const kvt_run *r, const uint64_t *addr, const uint64_t *len, int from,
-                struct iovec *iov, int cap, int *upto) {
+/* A batch's records and their parts (see the top of this file). */
+typedef struct {
+    const uint64_t *rlen;   /* bytes of each record */
+    const int64_t *pstart;  /* NULL, or record k's parts: pstart[k] .. pstart[k+1]-1 */
+    const uint64_t *paddr, *plen;
+} kvt_recs;
+
+static inline int64_t part0(const kvt_recs *rs, int k) { return rs->pstart ? rs->pstart[k] : k; }
+static inline int64_t part1(const kvt_recs *rs, int k) { return rs->pstart ? rs->pstart[k + 1] : k + 1; }
+
+/* A thread's hasher: one-shot XXH3 for a record of one part, the streaming calls (a state of
+ * this thread's own, made on first need) for one of several. */
+typedef struct {
+    kvt_hash hash;
+    const kvt_stream *stream;
+    void *state;
+    int failed; /* out: a record's state could not be made (no memory): its checksum is void */
+} kvt_hasher;
+
+static uint64_t hash_record(const kvt_recs *rs, kvt_hasher *h, int k) {
+    int64_t a = part0(rs, k), b = part1(rs, k);
+    if (b - a == 1) return h->hash((void *)(uintptr_t)rs->paddr[a], rs->plen[a]);
+    /* Several parts (the entry points refuse them without a stream), or none: as one stream. */
+    if (!h->state) h->state = h->stream->create();
+    if (!h->state || h->stream->reset(h->state) != 0) {
+        h->failed = 1;
+        return 0;
+    }
+    for (int64_t p = a; p < b; p++)
+        if (rs->plen[p]) h->stream->update(h->state, (void *)(uintptr_t)rs->paddr[p], rs->plen[p]);
+    return h->stream->digest(h->state);
+}
+
+static void hasher_done(kvt_hasher *h) {
+    if (h->state) h->stream->destroy(h->state);
+    h->state = NULL;
+}
+
+/* The run's buffers from record `from` as iovecs, neighbours in memory merged, whole records
+ * only; how many (at most `cap`; records beyond go in the next syscall of the run), or -1 if
+ * record `from` alone has more than `cap` parts. *upto: the record after the last taken. */
+static int fill(const kvt_run *r, const kvt_recs *rs, int from, struct iovec *iov, int cap,
+                int *upto) {
     int n = 0, i = from, end = r->first + r->count;
     for (; i < end; i++) {
-        if (!len[i]) continue;
-        char *a = (char *)(uintptr_t)addr[i];
-        if (n && (char *)iov[n - 1].iov_base + iov[n - 1].iov_len == a) {
-            iov[n - 1].iov_len += len[i];
-            continue;
+        int64_t a = part0(rs, i), b = part1(rs, i);
+        if (n + (b - a) > cap) { /* counted before merging: it may have fit */
+            if (i == from) return -1;
+            break;
         }
-        if (n == cap) break;
-        iov[n].iov_base = a;
-        iov[n].iov_len = len[i];
-        n++;
+        for (int64_t p = a; p < b; p++) {
+            uint64_t len = rs->plen[p];
+            if (!len) continue;
+            char *at = (char *)(uintptr_t)rs->paddr[p];
+            if (n && (char *)iov[n - 1].iov_base + iov[n - 1].iov_len == at) {
+                iov[n - 1].iov_len += len;
+                continue;
+            }
+            iov[n].iov_base = at;
+            iov[n].iov_len = len;
+            n++;
+        }
     }
     *upto = i;
     return n;
@@ -100,39 +148,38 @@ typedef struct {
     int write;
     kvt_run *runs;
     int nruns;
-    const uint64_t *addr, *len;
+    kvt_recs recs;
     uint64_t *sums;    /* read: each record's expected checksum; write: out, each's checksum */
     uint8_t *status;   /* read only, out: 1 served, 2 failed verification, 0 not read */
     kvt_hash hash;
     int next;          /* the next run nobody took */
     int64_t piece;     /* read only: a record larger than this is read in pieces of this size */
-    const kvt_stream *stream; /* read only: hashes those pieces as they land (NULL: whole, after) */
+    const kvt_stream *stream; /* records of several parts; a read's pieces as they land (NULL:
+                                 one part each, and a large record hashed whole, after) */
     const uint8_t *trusted;   /* read only, or NULL: records served without a check (verify once) */
     int hashed;        /* write only: another thread hashes the records (hash_all) */
+    int unhashed;      /* write, out: a record could not be hashed (no memory for a state) */
 } kvt_job;
 
-static void one_run(kvt_job *job, kvt_run *r) {
-    struct iovec iov[KVT_IOV];
-    const uint64_t *addr = job->addr, *len = job->len;
-    int end = r->first + r->count, i = r->first;
-    int64_t pos = r->offset;
-    if (job->write && !job->hashed) /* hash first: the write copies from this core's cache */
-        for (int k = r->first; k < end; k++) job->sums[k] = job->hash((void *)(uintptr_t)addr[k], len[k]);
-    if (!job->write && r->count == 1 && job->piece > 0 && (int64_t)len[i] > job->piece) {
-        /* A large record in sequential pieces, as the Python loops read it: one request of the
-         * whole record read cold measured 84% of raw against 100% in pieces (H100 host). */
-        char *a = (char *)(uintptr_t)addr[i];
-        int64_t n = (int64_t)len[i], done = 0;
-        const kvt_stream *st = job->stream;
-        int check = !(job->trusted && job->trusted[i]);
-        void *state = st && check ? st->create() : NULL;
-        if (state && st->reset(state) != 0) {
-            st->destroy(state);
-            state = NULL;
-        }
-        while (done < n) {
-            int64_t step = n - done < job->piece ? n - done : job->piece;
-            ssize_t got = pread(r->fd, a + done, (size_t)step, pos + done);
+/* A large record read in sequential pieces of at most job->piece bytes, part by part, each
+ * piece hashed as it lands where a stream is given: one request of the whole record read cold
+ * measured 84% of raw against 100% in pieces (H100 host). */
+static void read_in_pieces(kvt_job *job, kvt_hasher *h, kvt_run *r, int i) {
+    const kvt_recs *rs = &job->recs;
+    const kvt_stream *st = job->stream;
+    int check = !(job->trusted && job->trusted[i]);
+    void *state = st && check ? st->create() : NULL;
+    if (state && st->reset(state) != 0) {
+        st->destroy(state);
+        state = NULL;
+    }
+    int64_t n = (int64_t)rs->rlen[i], done = 0;
+    for (int64_t p = part0(rs, i); p < part1(rs, i) && done < n; p++) {
+        char *a = (char *)(uintptr_t)rs->paddr[p];
+        int64_t size = (int64_t)rs->plen[p], in = 0;
+        while (in < size) {
+            int64_t step = size - in < job->piece ? size - in : job->piece;
+            ssize_t got = pread(r->fd, a + in, (size_t)step, r->offset + done);
             if (got < 0) {
                 if (errno == EINTR) continue;
                 r->err = errno;
@@ -140,23 +187,46 @@ static void one_run(kvt_job *job, kvt_run *r) {
                 if (state) st->destroy(state);
                 return;
             }
-            if (got == 0) break; /* the file ends inside the record */
-            if (state && st->update(state, a + done, (size_t)got) != 0) { /* never: hash after */
+            if (got == 0) goto short_read; /* the file ends inside the record */
+            if (state && st->update(state, a + in, (size_t)got) != 0) { /* never: hash after */
                 st->destroy(state);
                 state = NULL;
             }
+            in += got;
             done += got;
         }
-        uint64_t sum = 0;
-        if (done == n && check) sum = state ? st->digest(state) : job->hash(a, (size_t)n);
-        if (state) st->destroy(state);
-        job->status[i] = done < n ? 2 : !check || sum == job->sums[i] ? 1 : 2;
+    }
+short_read:;
+    uint64_t sum = 0;
+    if (done == n && check) sum = state ? st->digest(state) : hash_record(rs, h, i);
+    if (state) st->destroy(state);
+    job->status[i] = done < n ? 2 : h->failed ? 3 : !check || sum == job->sums[i] ? 1 : 2;
+    h->failed = 0;
+}
+
+static void one_run(kvt_job *job, kvt_hasher *h, kvt_run *r) {
+    struct iovec iov[KVT_IOV];
+    const kvt_recs *rs = &job->recs;
+    int end = r->first + r->count, i = r->first;
+    int64_t pos = r->offset;
+    if (job->write && !job->hashed) { /* hash first: the write copies from this core's cache */
+        for (int k = r->first; k < end; k++) job->sums[k] = hash_record(rs, h, k);
+        if (h->failed) __atomic_store_n(&job->unhashed, 1, __ATOMIC_RELAXED);
+    }
+    if (!job->write && r->count == 1 && job->piece > 0 && (int64_t)rs->rlen[i] > job->piece) {
+        read_in_pieces(job, h, r, i);
         return;
     }
     while (i < end) {
-        int upto, n = fill(r, addr, len, i, iov, KVT_IOV, &upto);
+        int upto, n = fill(r, rs, i, iov, KVT_IOV, &upto);
+        if (n < 0) { /* one record of more parts than a syscall takes: the callers never pass it */
+            r->err = EINVAL;
+            if (!job->write)
+                for (int k = i; k < end; k++) job->status[k] = 3;
+            return;
+        }
         int64_t want = 0;
-        for (int k = i; k < upto; k++) want += len[k];
+        for (int k = i; k < upto; k++) want += rs->rlen[k];
         int64_t got = n ? move_all(job->write, r->fd, iov, n, pos, want) : 0;
         if (got < 0) { /* this syscall's records (and the run's rest) are not moved */
             r->err = (int)-got;
@@ -167,10 +237,14 @@ static void one_run(kvt_job *job, kvt_run *r) {
         if (!job->write) {
             int64_t at = pos, stop = pos + got;
             for (int k = i; k < upto; k++) {
-                if (at + (int64_t)len[k] > stop) job->status[k] = 2; /* the file ends inside it */
+                if (at + (int64_t)rs->rlen[k] > stop) job->status[k] = 2; /* the file ends inside it */
                 else if (job->trusted && job->trusted[k]) job->status[k] = 1;
-                else job->status[k] = job->hash((void *)(uintptr_t)addr[k], len[k]) == job->sums[k] ? 1 : 2;
-                at += len[k];
+                else {
+                    uint64_t sum = hash_record(rs, h, k);
+                    job->status[k] = h->failed ? 3 : sum == job->sums[k] ? 1 : 2;
+                    h->failed = 0;
+                }
+                at += rs->rlen[k];
             }
             if (got < want) {
                 for (int k = upto; k < end; k++) job->status[k] = 2;
@@ -184,11 +258,14 @@ static void one_run(kvt_job *job, kvt_run *r) {
 
 static void *drain(void *arg) {
     kvt_job *job = arg;
+    kvt_hasher h = {job->hash, job->stream, NULL, 0};
     for (;;) {
         int j = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        if (j >= job->nruns) return NULL;
-        one_run(job, &job->runs[j]);
+        if (j >= job->nruns) break;
+        one_run(job, &h, &job->runs[j]);
     }
+    hasher_done(&h);
+    return NULL;
 }
 
 /* Every run once, on this thread and up to threads-1 helpers; 0, or -1 if no helper could be
@@ -210,26 +287,36 @@ static int run_all(kvt_job *job, int threads) {
     return ret;
 }
 
-/* Read records i = 0..n-1 (sorted by file and offset: fd[i], off[i]; into addr[i], len[i] bytes)
- * and check each against sums[i]: status[i] = 1 served, 2 failed verification or cut short by
- * the file's end, 3 its read failed (*err: the first errno), 0 not read (fd[i] < 0); records a
- * run's earlier syscalls moved keep their verdicts. trusted (or NULL): records served read in
- * full without a check (the store's verify="once" rule). Runs are cut here:
- * records back to back in one file, a new run where the bytes before a record (from its file
- * run's start) cross a multiple of run_bytes, and around a record larger than run_bytes. */
-int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr,
-                     const uint64_t *len, const uint64_t *sums, uint8_t *status, int n,
-                     int64_t run_bytes, int threads, const uint8_t *trusted, kvt_hash hash,
-                     const kvt_stream *stream, int32_t *err) {
+/* Records of several parts are hashed by the streaming calls: refused (-3) without them. */
+static int parts_unhashable(const int64_t *pstart, const kvt_stream *stream) {
+    return pstart && !stream;
+}
+
+/* Read records i = 0..n-1 (sorted by file and offset: fd[i], off[i]; rlen[i] bytes each, into
+ * their parts: pstart, paddr, plen as at the top of this file) and check each against sums[i]:
+ * status[i] = 1 served, 2 failed verification or cut short by the file's end, 3 its read failed
+ * (*err: the first errno), 0 not read (fd[i] < 0); records a run's earlier syscalls moved keep
+ * their verdicts. trusted (or NULL): records served read in full without a check (the store's
+ * verify="once" rule). Runs are cut here: records back to back in one file, a new run where the
+ * bytes before a record (from its file run's start) cross a multiple of run_bytes, and around a
+ * record larger than run_bytes. 0, -1 (no helper thread: all read on this one), -2 (no memory),
+ * -3 (parts without a stream to hash them: nothing read). */
+int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *rlen,
+                     const int64_t *pstart, const uint64_t *paddr, const uint64_t *plen,
+                     const uint64_t *sums, uint8_t *status, int n, int64_t run_bytes, int threads,
+                     const uint8_t *trusted, kvt_hash hash, const kvt_stream *stream,
+                     int32_t *err) {
+    *err = 0;
+    if (parts_unhashable(pstart, stream)) return -3;
     kvt_run *runs = malloc(sizeof(kvt_run) * (n ? n : 1));
     if (!runs) return -2;
     int nruns = 0;
     int64_t since = 0; /* bytes before record i in its file run */
     for (int i = 0; i < n; i++) {
-        int same = i && fd[i] == fd[i - 1] && off[i] == off[i - 1] + (int64_t)len[i - 1];
-        since = same ? since + (int64_t)len[i - 1] : 0;
-        int cut = !same || (int64_t)len[i] > run_bytes || (int64_t)len[i - 1] > run_bytes ||
-                  (since - (int64_t)len[i - 1]) / run_bytes != since / run_bytes;
+        int same = i && fd[i] == fd[i - 1] && off[i] == off[i - 1] + (int64_t)rlen[i - 1];
+        since = same ? since + (int64_t)rlen[i - 1] : 0;
+        int cut = !same || (int64_t)rlen[i] > run_bytes || (int64_t)rlen[i - 1] > run_bytes ||
+                  (since - (int64_t)rlen[i - 1]) / run_bytes != since / run_bytes;
         if (fd[i] < 0) continue; /* its segment could not be opened: not read */
         if (cut || !nruns) {
             kvt_run r = {off[i], fd[i], i, 1, 0};
@@ -238,10 +325,10 @@ int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr
             runs[nruns - 1].count++;
         }
     }
-    kvt_job job = {0, runs, nruns, addr, len, (uint64_t *)sums, status, hash, 0, run_bytes, stream,
-                   trusted, 0};
+    kvt_recs recs = {rlen, pstart, paddr, plen};
+    kvt_job job = {0, runs, nruns, recs, (uint64_t *)sums, status, hash, 0, run_bytes, stream,
+                   trusted, 0, 0};
     int ret = run_all(&job, threads);
-    *err = 0;
     for (int r = 0; r < nruns && !*err; r++) *err = runs[r].err;
     free(runs);
     return ret;
@@ -249,30 +336,40 @@ int kvt_read_records(const int32_t *fd, const int64_t *off, const uint64_t *addr
 
 static void *hash_all(void *arg) {
     kvt_job *job = arg;
+    kvt_hasher h = {job->hash, job->stream, NULL, 0};
     for (int r = 0; r < job->nruns; r++)
         for (int k = job->runs[r].first; k < job->runs[r].first + job->runs[r].count; k++)
-            job->sums[k] = job->hash((void *)(uintptr_t)job->addr[k], job->len[k]);
+            job->sums[k] = hash_record(&job->recs, &h, k);
+    if (h.failed) __atomic_store_n(&job->unhashed, 1, __ATOMIC_RELAXED);
+    hasher_done(&h);
     return NULL;
 }
 
-/* Hash each record into sums and write the runs. With threads >= 2, a helper hashes every record
- * while this thread writes every run, in order: one writer per file, the hashing beside it.
- * Measured against the other arrangements on the H100 host (64 KiB pages; 2 CPUs / all 16 /
- * two processes on one root and 2 CPUs, % of raw; bench_storage.md run M): this one 73 / 95 /
- * 71; two threads each hashing and writing whole runs 86-98 / 79-80 / 47-54 (buffered writes
- * to one file take its inode lock in turns and a waiting writer spins on it: CPU a second
- * process needed); the same with the writes on a mutex 75 / 82 / 59; one thread 72 / 60 / 70. */
-int kvt_write(kvt_run *runs, int nruns, const uint64_t *addr, const uint64_t *len,
-              uint64_t *sums, int threads, kvt_hash hash) {
-    kvt_job job = {1, runs, nruns, addr, len, sums, NULL, hash, 0, 0, NULL, NULL, 0};
+/* Hash each record into sums and write the runs (records as at the top of this file). With
+ * threads >= 2, a helper hashes every record while this thread writes every run, in order: one
+ * writer per file, the hashing beside it. Measured against the other arrangements on the H100
+ * host (64 KiB pages; 2 CPUs / all 16 / two processes on one root and 2 CPUs, % of raw;
+ * bench_storage.md run M): this one 73 / 95 / 71; two threads each hashing and writing whole
+ * runs 86-98 / 79-80 / 47-54 (buffered writes to one file take its inode lock in turns and a
+ * waiting writer spins on it: CPU a second process needed); the same with the writes on a mutex
+ * 75 / 82 / 59; one thread 72 / 60 / 70. 0; -2 if a record could not be hashed (no memory for
+ * a hash state: its checksum is void, the runs written); -3 (parts without a stream: nothing
+ * written). */
+int kvt_write(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pstart,
+              const uint64_t *paddr, const uint64_t *plen, uint64_t *sums, int threads,
+              kvt_hash hash, const kvt_stream *stream) {
+    if (parts_unhashable(pstart, stream)) return -3;
+    kvt_recs recs = {rlen, pstart, paddr, plen};
+    kvt_job job = {1, runs, nruns, recs, sums, NULL, hash, 0, 0, stream, NULL, 0, 0};
     pthread_t helper;
     if (threads >= 2 && nruns && pthread_create(&helper, NULL, hash_all, &job) == 0) {
         job.hashed = 1;
         drain(&job);
         pthread_join(helper, NULL);
-        return 0;
+    } else {
+        run_all(&job, 1);
     }
-    return run_all(&job, 1);
+    return job.unhashed ? -2 : 0;
 }
 
 /* A write in flight: a thread of its own writes every run, in order (one writer a file), while
@@ -289,16 +386,18 @@ typedef struct {
 
 static void *write_runs(void *arg) {
     kvt_job *job = arg;
-    for (int r = 0; r < job->nruns; r++) one_run(job, &job->runs[r]);
+    for (int r = 0; r < job->nruns; r++) one_run(job, NULL, &job->runs[r]); /* hashed: no hasher */
     return NULL;
 }
 
 /* The write started (a handle for kvt_write_wait), or NULL if no thread could be started
- * (nothing written then). */
-void *kvt_write_start(kvt_run *runs, int nruns, const uint64_t *addr, const uint64_t *len) {
+ * (nothing written then). Records as at the top of this file; nothing is hashed here. */
+void *kvt_write_start(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pstart,
+                      const uint64_t *paddr, const uint64_t *plen) {
     kvt_pending *p = calloc(1, sizeof *p);
     if (!p) return NULL;
-    kvt_job job = {1, runs, nruns, addr, len, NULL, NULL, NULL, 0, 0, NULL, NULL, 1};
+    kvt_recs recs = {rlen, pstart, paddr, plen};
+    kvt_job job = {1, runs, nruns, recs, NULL, NULL, NULL, 0, 0, NULL, NULL, 1, 0};
     p->job = job;
     if (pthread_create(&p->thread, NULL, write_runs, &p->job) != 0) {
         free(p);
@@ -314,10 +413,18 @@ void kvt_write_wait(void *handle) {
     free(p);
 }
 
-/* Each record's checksum into sums, on the calling thread. */
-void kvt_hash_records(const uint64_t *addr, const uint64_t *len, int n, uint64_t *sums,
-                      kvt_hash hash) {
-    for (int i = 0; i < n; i++) sums[i] = hash((void *)(uintptr_t)addr[i], len[i]);
+/* Each record's checksum into sums (records as at the top of this file), on the calling
+ * thread; 0, -2 (a record could not be hashed: no memory for a hash state), or -3 (parts
+ * without a stream: nothing hashed). */
+int kvt_hash_records(const uint64_t *rlen, const int64_t *pstart, const uint64_t *paddr,
+                     const uint64_t *plen, int n, uint64_t *sums, kvt_hash hash,
+                     const kvt_stream *stream) {
+    if (parts_unhashable(pstart, stream)) return -3;
+    kvt_recs recs = {rlen, pstart, paddr, plen};
+    kvt_hasher h = {hash, stream, NULL, 0};
+    for (int i = 0; i < n; i++) sums[i] = hash_record(&recs, &h, i);
+    hasher_done(&h);
+    return h.failed ? -2 : 0;
 }
 
 /* -- journal entries (format.py's layout), CRC-32 as zlib computes it -------------------------- */

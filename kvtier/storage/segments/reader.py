@@ -147,7 +147,7 @@ class Reader:
         try:
             lib = native.library() if plan is not None and self._native else None
             if (
-                lib is not None and views.single() and set(plan.algorithms) == {XXH3}  # type: ignore[union-attr]
+                lib is not None and native.takes(lib, views) and set(plan.algorithms) == {XXH3}  # type: ignore[union-attr]
             ):
                 self._read_native(lib, plan, views, fds, out, bad)  # type: ignore[arg-type]
             elif plan is not None:
@@ -196,7 +196,7 @@ class Reader:
             lib,
             fd,
             np.asarray(plan.offsets, dtype=np.int64)[order],
-            np.asarray(views.addresses(), dtype=np.uint64)[order],
+            native.buffers(views, order),
             np.asarray(plan.lengths, dtype=np.uint64)[order],
             np.asarray(plan.checksums, dtype=np.uint64)[order],
             RUN_BYTES,

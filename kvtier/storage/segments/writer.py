@@ -8,7 +8,9 @@ each run is written with one ``pwritev`` of the caller's page buffers (pages adj
 as one iovec) and every record checksummed. In the C loops (``native``) with IO threads and one
 lane, a C thread writes every run while the caller hashes the records and makes the share's
 journal entries and index records, then waits for the write; otherwise one C call hashes and
-writes (a helper hashes while the caller writes), or, in the Python loops, each run is hashed
+writes (a helper hashes while the caller writes). The C loops take pages of several parts (a
+page_first KV page's K and V ranges, hashed as one stream) where the binding has the streaming
+XXH3 calls (``native.takes``). Else, in the Python loops, each run is hashed
 (``PageViews.checksums``, which brings it into the core's cache) and written by the caller's
 thread or an IO thread, whichever takes it (``io.run_shared``), a record larger than a run in
 pieces of a run's size. Then the journal entries of the records before the first failed run
@@ -264,7 +266,9 @@ class Lane:
 
             return write_run
 
-        lib = native.library() if self.native and views is not None and views.single() else None
+        lib = native.library() if self.native and views is not None else None
+        if lib is not None and not native.takes(lib, views):
+            lib = None  # pages of several parts, and no streaming XXH3 to hash them in C
         trusted = self._config.verify == "once"
         journal = b""
         locs: list | None = None
@@ -275,8 +279,8 @@ class Lane:
                 [lo - j for lo, _, _ in runs],
                 [hi - lo for lo, hi, _ in runs],
             )
-            addr = np.asarray(views.addresses()[j:k], dtype=np.uint64)  # type: ignore[union-attr]
             size = np.asarray(lengths[j:k], dtype=np.uint64)
+            addr = native.buffers(views, range(j, k))  # type: ignore[arg-type]
             # With a helper: a C thread writes every run (one writer a file) while this one
             # hashes, then makes the journal entries and index records of the whole share,
             # which are used as they are unless a run fails. Without a thread (none could be
