@@ -5,6 +5,7 @@ and a writer in the C loops killed at a random point of its batches."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import random
 import signal
@@ -117,6 +118,14 @@ def test_records_in_any_arrangement_are_read_and_checked(
             flipped = rng.randrange(n)
             sums[flipped] ^= 1  # a record whose checksum does not match
             closed = {i for i in range(n) if rng.random() < 0.1}
+            torn = -1  # a file cut inside its last record: never served, trusted or not
+            if rng.random() < 0.3:
+                k = rng.randrange(2)
+                mine = [i for i in range(n) if recs[i][0] == k]  # sorted by offset
+                if mine and recs[mine[-1]][2] >= 2:  # its last record, nothing after it
+                    _, at, size = recs[mine[-1]]
+                    os.ftruncate(files[k], at + size // 2)
+                    torn = mine[-1]
             trusted = [trusting and rng.random() < 0.4 for _ in range(n)]
             if trusting:
                 trusted[flipped] = rng.random() < 0.5
@@ -146,6 +155,9 @@ def test_records_in_any_arrangement_are_read_and_checked(
             for i, (got, o, page) in enumerate(zip(status.tolist(), out, data)):
                 if i in closed:
                     assert got == 0 and bool((o == 0xEE).all()), "not read: untouched"
+                    continue
+                if i == torn:
+                    assert got == 2, (trial, i, "a record cut short is never served")
                     continue
                 assert got == (2 if i == flipped and not trusted[i] else 1), (trial, i)
                 assert torch.equal(o[:-1], page) and int(o[-1]) == 0xEE, "exact, nothing past it"
@@ -667,3 +679,169 @@ def test_pages_of_more_parts_than_a_syscall_takes_go_through_the_python_loops(
     assert torch.equal(out, page)
     assert calls == {"write_start": 0, "write": 0, "read": 0}
     b.close()
+
+
+def test_runs_of_more_parts_than_a_syscall_takes_are_cut_between_records(
+    tmp_path: Path, lib
+) -> None:
+    """3,000 records of three 21-byte parts each (an odd count: a syscall's 1,024 iovecs end
+    inside a record unless the loop cuts between records) in one run of each write path and
+    read back in runs of ~256 KiB: the file, the checksums and the bytes read are exact."""
+    if lib.stream_at is None:
+        pytest.skip("the binding's streaming XXH3 calls are not callable here")
+    n, k, size = 3000, 3, 21
+    data = torch.randint(0, 256, (n * k * (size + 1),), dtype=torch.uint8)
+    base = data.data_ptr()
+    # Part j of record i at (j * n + i) * (size + 1): no two parts adjacent in memory.
+    addr = np.array(
+        [base + (j * n + i) * (size + 1) for i in range(n) for j in range(k)], dtype=np.uint64
+    )
+    parts = native.Parts(
+        np.arange(0, n * k + 1, k, dtype=np.int64), addr, np.full(n * k, size, np.uint64)
+    )
+    lengths = np.full(n, k * size, dtype=np.uint64)
+    flat = data.numpy()
+    records = [
+        b"".join(
+            flat[int(a) - base : int(a) - base + size].tobytes() for a in addr[i * k : i * k + k]
+        )
+        for i in range(n)
+    ]
+    want = [xxhash.xxh3_64_intdigest(r) for r in records]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        for started in (True, False):
+            os.ftruncate(fd, 0)
+            runs = native.make_runs([fd], [0], [0], [n])
+            if started:
+                pending = native.write_start(lib, runs, parts, lengths)
+                assert pending is not None
+                try:
+                    sums = native.hash_records(lib, parts, lengths)
+                finally:
+                    pending.wait()
+            else:
+                sums = native.write(lib, runs, parts, lengths, 2)
+            assert not runs["err"].any() and sums.tolist() == want
+            assert os.pread(fd, n * k * size + 1, 0) == b"".join(records)
+        back = torch.full_like(data, 0xEE)
+        into = native.Parts(
+            parts.start, addr - np.uint64(base) + np.uint64(back.data_ptr()), parts.size
+        )
+        offsets = np.arange(n, dtype=np.int64) * (k * size)
+        status, err = native.read(
+            lib, np.full(n, fd, np.int32), offsets, into, lengths, sums, RUN_BYTES, 2
+        )
+        assert err == 0 and status.tolist() == [1] * n
+        gaps = torch.ones(len(data), dtype=torch.bool)
+        gaps.view(n * k, size + 1)[:, :size] = False
+        assert torch.equal(back[~gaps], data[~gaps]) and bool((back[gaps] == 0xEE).all())
+    finally:
+        os.close(fd)
+
+
+def test_pages_of_several_parts_take_the_python_loops_without_the_streaming_calls(
+    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the binding's streaming XXH3 calls are not callable, two-part pages go to the
+    Python loops (one-part pages stay in C), and round-trip exactly."""
+    monkeypatch.setattr(lib, "stream_at", None)
+    calls = counting(monkeypatch, ("write_start", "write", "read"))
+    sizes = [4096, 65536, RUN_BYTES + 9]
+    pages = pages_of(sizes, 31)
+    room = 2 * (sum(sizes) + len(sizes))
+    src = as_parts(pages, torch.zeros(room, dtype=torch.uint8))
+    b = create_backend("file", root=tmp_path / "l3")
+    assert b.set([PoolTransfer("kv", H[:3], src)]).all_ok
+    out = [torch.full((n,), 0xEE, dtype=torch.uint8) for n in sizes]
+    into = as_parts(out, torch.zeros(room, dtype=torch.uint8))
+    assert b.get([PoolTransfer("kv", H[:3], into)]).all_ok
+    assert all(torch.equal(torch.cat(q), p) for q, p in zip(into, pages))
+    assert calls == {"write_start": 0, "write": 0, "read": 0}
+    assert b.set([PoolTransfer("kv", H[3:5], pages_of([100, 200], 32))]).all_ok
+    assert calls["write_start"] + calls["write"] == 1, "one-part pages stay in the C loops"
+    b.close()
+
+
+def test_a_hash_state_that_cannot_be_made_fails_the_call_not_the_records(
+    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No memory for a streaming hash state (its create returns NULL): hashing and writing
+    records of several parts raise ``MemoryError``; reading them gives status 3 (not read, so
+    not a checksum miss that would drop a good record), one-part records unaffected."""
+    if lib.stream_at is None:
+        pytest.skip("the binding's streaming XXH3 calls are not callable here")
+    create = ctypes.CFUNCTYPE(ctypes.c_void_p)(lambda: None)
+    table = (ctypes.c_void_p * 5)(
+        ctypes.cast(create, ctypes.c_void_p).value, *list(lib.stream_table)[1:]
+    )
+    data = pages_of([20_000], 33)[0]
+    base = data.data_ptr()
+    # Records: two parts, one part, two parts (the last large: read in pieces).
+    parts = native.Parts(
+        np.array([0, 2, 3, 5], dtype=np.int64),
+        np.array([base + x for x in (500, 0, 1000, 2000, 11000)], dtype=np.uint64),
+        np.array([500, 500, 1000, 9000, 9000], dtype=np.uint64),
+    )
+    lengths = np.array([1000, 1000, 18000], dtype=np.uint64)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        runs = native.make_runs([fd], [0], [0], [3])
+        sums = native.write(lib, runs, parts, lengths, 1)  # with a working state
+        monkeypatch.setattr(lib, "stream_at", ctypes.addressof(table))
+        with pytest.raises(MemoryError):
+            native.hash_records(lib, parts, lengths)
+        for threads in (1, 2):
+            with pytest.raises(MemoryError):
+                native.write(lib, native.make_runs([fd], [0], [0], [3]), parts, lengths, threads)
+        back = torch.zeros_like(data)
+        into = native.Parts(
+            parts.start, parts.addr - np.uint64(base) + np.uint64(back.data_ptr()), parts.size
+        )
+        offsets = np.array([0, 1000, 2000], dtype=np.int64)
+        for piece in (RUN_BYTES, 4096):  # the large record whole, then in pieces
+            status, err = native.read(
+                lib, np.full(3, fd, np.int32), offsets, into, lengths, sums, piece, 2
+            )
+            assert status.tolist() == [3, 1, 3] and err == 0
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("in_parts", [False, True], ids=["one-part", "parts"])
+def test_a_trusted_record_cut_short_is_never_served(tmp_path: Path, lib, in_parts: bool) -> None:
+    """A record trusted unchecked (``verify="once"``) whose file now ends inside it: not served,
+    read whole or in pieces, one part or several."""
+    if in_parts and lib.stream_at is None:
+        pytest.skip("the binding's streaming XXH3 calls are not callable here")
+    size = 2 * RUN_BYTES + 5
+    page = pages_of([size], 34)[0]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, page.numpy().tobytes(), 0)
+        os.ftruncate(fd, size - 1000)
+        out = torch.full((size,), 0xEE, dtype=torch.uint8)
+        into: np.ndarray | native.Parts = np.array([out.data_ptr()], dtype=np.uint64)
+        if in_parts:
+            half = size // 2
+            into = native.Parts(
+                np.array([0, 2], dtype=np.int64),
+                np.array([out.data_ptr(), out.data_ptr() + half], dtype=np.uint64),
+                np.array([half, size - half], dtype=np.uint64),
+            )
+        sums = np.array([xxhash.xxh3_64_intdigest(page.numpy().tobytes())], dtype=np.uint64)
+        for piece in (RUN_BYTES, 4 * RUN_BYTES):  # in pieces, and whole
+            status, err = native.read(
+                lib,
+                np.array([fd], np.int32),
+                np.zeros(1, np.int64),
+                into,
+                np.array([size], np.uint64),
+                sums,
+                piece,
+                1,
+                np.ones(1, np.uint8),
+            )
+            assert status.tolist() == [2] and err == 0
+    finally:
+        os.close(fd)

@@ -568,7 +568,18 @@ def buffers(views, pages: Sequence[int]) -> Buffers:
 def _records(buffers: Buffers, lengths: np.ndarray) -> tuple[int | None, int, int]:
     """The C calls' (pstart, paddr, plen) pointers for ``buffers`` of records of ``lengths``."""
     if isinstance(buffers, Parts):
-        return buffers.start.ctypes.data, buffers.addr.ctypes.data, buffers.size.ctypes.data
+        start, addr, size = buffers
+        if not (
+            start.dtype == np.int64
+            and addr.dtype == size.dtype == lengths.dtype == np.uint64
+            and len(start) == len(lengths) + 1
+            and len(addr) == len(size) == (int(start[-1]) if len(start) else -1)
+            and all(a.flags.c_contiguous for a in (start, addr, size))
+        ):
+            raise ValueError("segment store: parts that do not describe the records")
+        return start.ctypes.data, addr.ctypes.data, size.ctypes.data
+    if not (buffers.dtype == lengths.dtype == np.uint64 and len(buffers) == len(lengths)):
+        raise ValueError("segment store: buffers that do not match the records")
     return None, buffers.ctypes.data, lengths.ctypes.data
 
 

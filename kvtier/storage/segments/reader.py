@@ -210,6 +210,13 @@ class Reader:
                 int((status == 3).sum()),
                 os.strerror(err),
             )
+        elif (status == 3).any():  # read, but no hash state could be made to check them
+            log.warning(
+                "segment store %s: %d records read but not checked (no memory to hash them): "
+                "not served",
+                self._index.root,
+                int((status == 3).sum()),
+            )
         if (status == 1).all():  # every page verified: the common case
             for i in plan.order:
                 out[i] = True
