@@ -41,7 +41,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvtier.storage import Namespace, PoolTransfer, StorageBackend, create_backend, page_hashes
+from kvtier.storage import (
+    Namespace,
+    PageSpans,
+    PoolTransfer,
+    StorageBackend,
+    create_backend,
+    page_hashes,
+)
 from kvtier.storage.file_backend import FilePerPageBackend
 from kvtier.storage.segments.format import Entry, encode_entry
 
@@ -177,14 +184,22 @@ def raw_read(path: Path, dst: memoryview) -> Batches:
 # -- stores ---------------------------------------------------------------------------------------
 
 
-PAGES = {"parts": 1}  # set by main (--parts): parts per page
+PAGES = {"parts": 1, "spans": False}  # set by main (--parts, --spans)
 
 
-def page_views(pool: torch.Tensor, page_bytes: int) -> list:
+def page_views(pool: torch.Tensor, page_bytes: int) -> list | PageSpans:
     """``pool``'s pages of ``page_bytes``: one tensor each, or with ``--parts 2`` two, as a
     page_first KV host pool gives them (its K range and its V range: page i's first half at
-    place i of the pool's first half, its second half at place i of the second half)."""
+    place i of the pool's first half, its second half at place i of the second half); with
+    ``--spans`` the same ranges as ``PageSpans`` (no tensor per page, as the L3 tier passes a
+    page_first pool's pages)."""
     n = pool.numel() // page_bytes
+    if PAGES["spans"]:
+        parts = PAGES["parts"]
+        size = page_bytes // parts
+        first = np.arange(n, dtype=np.int64) * size
+        offsets = np.stack([first + k * n * size for k in range(parts)], axis=1)
+        return PageSpans(pool[: n * page_bytes], offsets, (size,) * parts)
     if PAGES["parts"] == 1:
         return list(pool[: n * page_bytes].view(n, page_bytes).unbind(0))
     half = page_bytes // 2
@@ -192,26 +207,33 @@ def page_views(pool: torch.Tensor, page_bytes: int) -> list:
     return list(zip(k.unbind(0), v.unbind(0)))
 
 
-def page_bytes_of(page) -> int:
-    return page.numel() if isinstance(page, torch.Tensor) else sum(p.numel() for p in page)
+def _batches(pages: list | PageSpans) -> tuple[int, Callable[[int], list | PageSpans]]:
+    """Pages per storage call, and the call's pages by batch number (spans: their rows)."""
+    if isinstance(pages, PageSpans):
+        per = max(1, BATCH_BYTES // sum(pages.sizes))
+        return per, lambda i: pages.rows(np.arange(i * per, (i + 1) * per))
+    first = pages[0]
+    size = first.numel() if isinstance(first, torch.Tensor) else sum(p.numel() for p in first)
+    per = max(1, BATCH_BYTES // size)
+    return per, lambda i: pages[i * per : (i + 1) * per]
 
 
-def store_put(b: StorageBackend, keys: list[str], pages: list) -> Batches:
-    per = max(1, BATCH_BYTES // page_bytes_of(pages[0]))
+def store_put(b: StorageBackend, keys: list[str], pages: list | PageSpans) -> Batches:
+    per, batch = _batches(pages)
 
     def one(i: int) -> None:
         lo = i * per
-        assert b.set([PoolTransfer("kv", keys[lo : lo + per], pages[lo : lo + per])]).all_ok
+        assert b.set([PoolTransfer("kv", keys[lo : lo + per], batch(i))]).all_ok
 
     return timed(one, len(keys) // per)
 
 
-def store_get(b: StorageBackend, keys: list[str], pages: list) -> Batches:
-    per = max(1, BATCH_BYTES // page_bytes_of(pages[0]))
+def store_get(b: StorageBackend, keys: list[str], pages: list | PageSpans) -> Batches:
+    per, batch = _batches(pages)
 
     def one(i: int) -> None:
         lo = i * per
-        assert b.get([PoolTransfer("kv", keys[lo : lo + per], pages[lo : lo + per])]).all_ok
+        assert b.get([PoolTransfer("kv", keys[lo : lo + per], batch(i))]).all_ok
 
     return timed(one, len(keys) // per)
 
@@ -321,7 +343,7 @@ def child(args: list[str]) -> None:
     """One of two benchmark processes: ``role root me total page_bytes``; waits for "go" lines
     on stdin before each timed phase and prints its seconds."""
     role, root, me, total, page_bytes = args[0], Path(args[1]), int(args[2]), *map(int, args[3:5])
-    PAGES["parts"] = int(args[5])
+    PAGES["parts"], PAGES["spans"] = int(args[5]), args[6] == "spans"
     half = total // 2
     g = torch.Generator().manual_seed(me)
     mine = torch.randint(0, 256, (half,), dtype=torch.uint8, generator=g)
@@ -376,6 +398,7 @@ def two_processes(
                             str(total),
                             str(page_bytes),
                             str(PAGES["parts"]),
+                            "spans" if PAGES["spans"] else "tensors",
                         ],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
@@ -599,6 +622,12 @@ def main() -> None:
         help="parts per page: 1, or 2 as a page_first KV host pool's pages (K and V ranges)",
     )
     p.add_argument(
+        "--spans",
+        action="store_true",
+        help="pages as PageSpans (byte ranges of the pool, as the L3 tier passes a page_first "
+        "pool's pages) instead of a tensor per page",
+    )
+    p.add_argument(
         "--two-only",
         action="store_true",
         help="only the two-process rows (run it under taskset to give the two processes more CPUs)",
@@ -615,7 +644,7 @@ def main() -> None:
     if any(n <= 0 or (8 << 20) % (n << 10) for n in args.pages):
         p.error(f"--pages must divide 8 MiB (one storage call), got {args.pages}")
     total = args.total_mib << 20
-    PAGES["parts"] = args.parts
+    PAGES["parts"], PAGES["spans"] = args.parts, args.spans
     SETTLE["bytes"] = (2 * args.total_mib if args.settle_mib is None else args.settle_mib) << 20
     rebuild_us = None
     assert total % (2 * BATCH_BYTES) == 0, "--total-mib must be a multiple of 16"
@@ -657,9 +686,13 @@ def main() -> None:
             f"{BATCH_BYTES >> 20} MiB per storage call (raw: per write); cold reads after {how_cold}"
         ),
         (
-            "- pages of one part each"
-            if args.parts == 1
-            else "- pages of two parts each (page_first KV: K range and V range, half a page each)"
+            (
+                "- pages of one part each"
+                if args.parts == 1
+                else "- pages of two parts each "
+                "(page_first KV: K range and V range, half a page each)"
+            )
+            + (", given as PageSpans (no tensor per page)" if args.spans else ", a tensor per part")
         ),
         settle_line(),
         "",

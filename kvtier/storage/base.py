@@ -35,6 +35,7 @@ import torch
 
 from kvtier.metrics import Direction, Tier, TierMetrics
 from kvtier.storage.keys import KeyScope
+from kvtier.storage.spans import PageSpans, SpanPages, select_pages
 
 __all__ = [
     "ALL_PAGES",
@@ -43,6 +44,7 @@ __all__ = [
     "TRAILING_PAGES",
     "BatchResult",
     "HitPolicy",
+    "PageSpans",
     "PoolTransfer",
     "StorageBackend",
     "available_backends",
@@ -178,14 +180,16 @@ class PoolTransfer:
         keys: one page hash per page. For ``exists`` these are the hashes of every page of the
             candidate prefix, whatever the policy; for ``get``/``set`` the pages to move.
         pages: for ``get``/``set``, one host page per key: a 1-D contiguous uint8 CPU tensor, or a
-            sequence of them whose concatenation is the page object. ``get`` writes into them;
-            ``set`` only reads them. Unused by ``exists``.
+            sequence of them whose concatenation is the page object; or the whole batch as
+            ``PageSpans`` (byte ranges of one host buffer, no tensor per page:
+            ``HostPool.page_spans``). ``get`` writes into them; ``set`` only reads them. Unused
+            by ``exists``.
         policy: the pool's hit policy, used by ``exists``.
     """
 
     pool: str
     keys: Sequence[str]
-    pages: Sequence[Page] = ()
+    pages: Sequence[Page] | PageSpans = ()
     policy: HitPolicy = field(default=ALL_PAGES)
 
 
@@ -461,7 +465,7 @@ class StorageBackend(ABC):
         self._check_buffers(pages)
         if None in names:
             todo = [i for i, k in enumerate(names) if k is not None]
-            keys, some = [names[i] for i in todo], [pages[i] for i in todo]
+            keys, some = [names[i] for i in todo], select_pages(pages, todo)
         else:  # every key valid: the common case
             todo, keys, some = list(range(len(names))), names, pages  # type: ignore[assignment]
         start = time.perf_counter()
@@ -482,7 +486,11 @@ class StorageBackend(ABC):
             log.exception("%s: %s of %d pages failed", self.name, direction.value, len(keys))
             done = [False] * len(names)
         seconds = time.perf_counter() - start
-        if all(done):
+        if isinstance(pages, SpanPages):
+            moved = (
+                pages.nbytes() if all(done) else sum(itertools.compress(pages.page_bytes(), done))
+            )
+        elif all(done):
             moved = sum(map(_NBYTES, itertools.chain.from_iterable(pages)))
         else:
             moved = sum(part.nbytes for parts, ok in zip(pages, done) if ok for part in parts)
@@ -514,15 +522,24 @@ class StorageBackend(ABC):
                 )
 
     @classmethod
-    def _check_pages(cls, transfers: Sequence[PoolTransfer]) -> list[Parts]:
-        """Validate the transfers; every page of every transfer, in order, as a tuple of parts."""
+    def _check_pages(cls, transfers: Sequence[PoolTransfer]) -> Sequence[Parts]:
+        """Validate the transfers; every page of every transfer, in order, as a tuple of parts
+        (``SpanPages`` where every transfer gives ``PageSpans``: no tensor per page)."""
         cls._check_pools(transfers)
-        out: list[Parts] = []
         for t in transfers:
             if len(t.pages) != len(t.keys):
                 raise ValueError(
                     f"pool {t.pool!r}: {len(t.keys)} keys but {len(t.pages)} page buffers"
                 )
+            if isinstance(t.pages, PageSpans):
+                t.pages.check(t.pool)
+        if transfers and all(isinstance(t.pages, PageSpans) for t in transfers):
+            return SpanPages([t.pages for t in transfers])  # type: ignore[misc]
+        out: list[Parts] = []
+        for t in transfers:
+            if isinstance(t.pages, PageSpans):  # mixed with lists of tensors: made into tensors
+                out += [t.pages.page(i) for i in range(len(t.pages))]
+                continue
             tensor, uint8 = torch.Tensor, torch.uint8
             pages = t.pages
             if (

@@ -348,6 +348,8 @@ class MooncakeBackend(StorageBackend):
         starts = [r[0] for r in regions]
         for i, parts in enumerate(pages):
             for p in parts:
+                if not p.numel():
+                    continue  # no bytes move (an empty tensor's address may be 0)
                 ptr = p.data_ptr()
                 j = bisect.bisect_right(starts, ptr) - 1
                 if j < 0 or ptr + p.numel() > regions[j][1]:

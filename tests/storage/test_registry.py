@@ -23,6 +23,7 @@ def test_public_api_is_pinned() -> None:
             "HitPolicy",
             "KeyScope",
             "Namespace",
+            "PageSpans",
             "PoolTransfer",
             "PrefetchOutcome",
             "StorageBackend",

@@ -24,6 +24,7 @@ from kvtier.runtime.pools.host import HostPool
 from kvtier.runtime.pools.mamba import MambaHostPool
 from kvtier.storage import Namespace
 from kvtier.storage.keys import canonical_namespace
+from kvtier.storage.spans import PageSpans
 
 __all__ = ["L3Pool", "namespace_for"]
 
@@ -95,21 +96,21 @@ class L3Pool:
             self._staging.buf = buf
         return buf
 
-    def write_views(self, pages: torch.Tensor) -> list:
+    def write_views(self, pages: torch.Tensor) -> list | PageSpans:
         """Page buffers holding ``pages``' objects (packed into staging if needed)."""
         if self.is_mamba:
             return self.host.slot_views(pages)
         if not self.staged:
-            return self.host.page_views(pages)
+            return self.host.page_spans(pages)
         rows = self.host.pack(pages, self.staging())
         return list(rows.unbind(0))
 
-    def read_views(self, pages: torch.Tensor) -> list:
+    def read_views(self, pages: torch.Tensor) -> list | PageSpans:
         """Page buffers to read ``pages``' objects into; call ``finish_read`` after."""
         if self.is_mamba:
             return self.host.slot_views(pages)
         if not self.staged:
-            return self.host.page_views(pages)
+            return self.host.page_spans(pages)
         return list(self.staging()[: pages.numel()].unbind(0))
 
     def finish_read(self, pages: torch.Tensor, n_ok: int) -> None:

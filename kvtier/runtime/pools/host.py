@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 
 from kvtier.kernels.dispatch import Impl
@@ -21,6 +22,7 @@ from kvtier.kernels.layout import DeviceBuffers, HostBuffer, HostLayout, host_sh
 from kvtier.kernels.pack import pack_pages, unpack_pages
 from kvtier.runtime.pools.device import DevicePool
 from kvtier.runtime.pools.pinned import host_empty
+from kvtier.storage.spans import PageSpans
 
 __all__ = ["HostPool", "host_size_for"]
 
@@ -188,6 +190,25 @@ class HostPool:
             )
         raw = self.tensor.view(-1).view(torch.uint8)
         return [[raw[o : o + n] for o, n in ranges] for ranges in self.page_ranges(pages)]
+
+    def page_spans(self, pages: torch.Tensor) -> PageSpans:
+        """``page_views`` as ``PageSpans`` for a ``PoolTransfer``: the same ranges, as offsets
+        into the pool's bytes, with no tensor per page (what the L3 tier hands its store)."""
+        if not self.layout.page_contiguous:
+            raise ValueError(
+                f"layout: {self.layout.value} pages are not contiguous; pack them into staging"
+            )
+        buf = self.buffer
+        ids = pages.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        count = buf.num_slots // buf.page_size
+        bad = np.flatnonzero((ids < 0) | (ids >= count))
+        if len(bad):
+            raise ValueError(f"pages: page {int(ids[bad[0]])} outside [0, {count})")
+        parts = np.arange(buf.num_buffers, dtype=np.int64) * buf.stride_buffer
+        offsets = ids[:, None] * buf.stride_page + parts[None, :]
+        span = buf.page_size * buf.item_bytes * buf.num_layers
+        raw = self.tensor.view(-1).view(torch.uint8)
+        return PageSpans(raw, offsets, (span,) * buf.num_buffers)
 
     def _as_slot_buffers(self) -> DeviceBuffers:
         """This layer_first pool as per-(buffer, layer) slot tensors, for the packing kernel."""

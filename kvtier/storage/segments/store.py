@@ -90,6 +90,7 @@ from kvtier.storage.segments.reader import Reader
 from kvtier.storage.segments.root import RootLock, open_root
 from kvtier.storage.segments.space import Space
 from kvtier.storage.segments.writer import Writer
+from kvtier.storage.spans import select_pages
 
 __all__ = ["RecordSpan", "SegmentBackend", "SegmentBackendConfig"]
 
@@ -412,7 +413,7 @@ class SegmentBackend(StorageBackend):
             if len(todo) == n:
                 keys, some = object_keys, pages
             else:
-                keys, some = [object_keys[i] for i in todo], [pages[i] for i in todo]
+                keys, some = [object_keys[i] for i in todo], select_pages(pages, todo)
             views = PageViews(some)
             with self._append:
                 done = self._writer.append(keys, views, views.lengths())

@@ -1,0 +1,180 @@
+"""Pages as byte ranges of a host buffer: a batch of pages with no tensor per page.
+
+A list of page tensors costs a tensor view per part (about a microsecond each to make, and as
+much again for every check a store runs on it): a 128-page batch of a page_first MHA pool, two
+parts a page, spent ~0.4 ms in ``HostPool.page_views`` alone on the dev VM, more than the file
+store's own Python for that batch. ``PageSpans`` names the same bytes with one buffer and an
+array of offsets: the store checks the batch with a few array operations and takes the
+addresses from them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+__all__ = ["PageSpans", "SpanPages"]
+
+Parts = tuple[torch.Tensor, ...]
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclass(frozen=True, eq=False)
+class PageSpans:
+    """A pool's pages as byte ranges of one host buffer, for ``PoolTransfer.pages``.
+
+    Page ``i`` is the concatenation of ``buffer[offsets[i, k] : offsets[i, k] + sizes[k]]`` over
+    its parts ``k`` (a page_first KV page: its K range, then its V range). ``HostPool.page_spans``
+    makes them for a host pool's pages.
+
+    Attributes:
+        buffer: a 1-D contiguous uint8 CPU tensor (a host pool's bytes, viewed as uint8).
+        offsets: each page's parts' byte offsets into ``buffer``: int64 ``[pages, parts]``
+            (a numpy array, a CPU tensor, or nested sequences of ints).
+        sizes: the bytes of each part, the same for every page (one int per part).
+
+    ``set`` only reads the ranges; ``get`` writes into them. The buffer must stay alive and
+    unchanged by others for the call. A call's transfers must all be ``PageSpans`` for the store
+    to skip the tensor per page; mixed with lists of tensors, the spans are made into tensors.
+    Bad spans (a buffer of another kind, offsets outside it, shapes that do not match) are
+    refused with ``TypeError`` or ``ValueError`` by the call, before anything moves.
+    """
+
+    buffer: torch.Tensor
+    offsets: np.ndarray
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        offsets = self.offsets
+        if isinstance(offsets, torch.Tensor):
+            offsets = offsets.detach().cpu().numpy()
+        try:
+            arr = np.asarray(offsets)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"offsets: expected int64 [pages, parts], got {_shown(offsets)}") from e
+        if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+            raise TypeError(f"offsets: expected integers, got dtype {arr.dtype}")
+        sizes = self.sizes
+        if isinstance(sizes, int) or not isinstance(sizes, Sequence):
+            raise TypeError(f"sizes: expected a sequence of ints, got {_shown(sizes)}")
+        if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in sizes):
+            raise TypeError(f"sizes: expected ints, got {_shown(sizes)}")
+        sizes = tuple(int(s) for s in sizes)
+        if not sizes or min(sizes) < 0:
+            raise ValueError(f"sizes: need at least one part, each >= 0, got {sizes}")
+        if arr.size == 0:
+            arr = arr.reshape(0, len(sizes))
+        if arr.ndim != 2 or arr.shape[1] != len(sizes):
+            raise ValueError(
+                f"offsets: shape must be [pages, {len(sizes)}] (one column per part size), got "
+                f"{list(arr.shape)}"
+            )
+        object.__setattr__(self, "offsets", np.ascontiguousarray(arr, dtype=np.int64))
+        object.__setattr__(self, "sizes", sizes)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def check(self, pool: object) -> None:
+        """Raise ``TypeError``/``ValueError`` (naming ``pool``) unless every range lies in a 1-D
+        contiguous uint8 CPU ``buffer``."""
+        b = self.buffer
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(
+                f"pool {pool!r}: PageSpans.buffer must be a tensor, got {type(b).__name__}"
+            )
+        if b.dtype is not torch.uint8 or b.dim() != 1 or not b.is_contiguous() or not b.is_cpu:
+            raise ValueError(
+                f"pool {pool!r}: PageSpans.buffer must be a 1-D contiguous uint8 CPU tensor, got "
+                f"{b.dtype} shape {tuple(b.shape)} on {b.device}"
+            )
+        if len(self.offsets):
+            lo = int(self.offsets.min())
+            ends = self.offsets + np.asarray(self.sizes, dtype=np.int64)
+            hi = int(ends.max())
+            if lo < 0 or hi > b.numel():
+                i = int(np.flatnonzero(((self.offsets < 0) | (ends > b.numel())).any(axis=1))[0])
+                raise ValueError(
+                    f"pool {pool!r}: PageSpans page {i}: ranges at {self.offsets[i].tolist()} of "
+                    f"{list(self.sizes)} bytes leave the buffer's {b.numel()} bytes"
+                )
+
+    def page(self, i: int) -> Parts:
+        """Page ``i``'s parts as tensors (views of ``buffer``)."""
+        b = self.buffer
+        return tuple(b[o : o + n] for o, n in zip(self.offsets[i].tolist(), self.sizes))
+
+    def rows(self, pages: np.ndarray) -> PageSpans:
+        """These spans' ``pages`` (an index array), in that order."""
+        return PageSpans(self.buffer, self.offsets[pages], self.sizes)
+
+
+class SpanPages(Sequence[Parts]):
+    """A call's pages given as ``PageSpans`` (one per transfer, in order), as the sequence of
+    ``Parts`` the backends take: a page's tensors are made only when it is indexed. Stores
+    that know spans (the segment store, through ``PageViews``) never index it."""
+
+    def __init__(self, chunks: Sequence[PageSpans]) -> None:
+        self.chunks = [c for c in chunks if len(c)]
+        self._starts = [0, *itertools.accumulate(len(c) for c in self.chunks)]
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _locate(self, i: int) -> tuple[PageSpans, int]:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"page {i} of {n}")
+        c = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return self.chunks[c], i - self._starts[c]
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return self.select(range(len(self))[i])
+        chunk, j = self._locate(i)
+        return chunk.page(j)
+
+    def __iter__(self) -> Iterator[Parts]:
+        for chunk in self.chunks:
+            for j in range(len(chunk)):
+                yield chunk.page(j)
+
+    def select(self, pages: Sequence[int]) -> SpanPages:
+        """These pages, in the order given, as spans (no tensor per page)."""
+        idx = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"pages outside [0, {len(self)})")
+        chunk = np.searchsorted(self._starts, idx, side="right") - 1
+        out: list[PageSpans] = []
+        # Runs of consecutive picks from one chunk stay one chunk (the order is kept).
+        cut = np.flatnonzero(np.diff(chunk)) + 1
+        for run_idx, run_chunk in zip(np.split(idx, cut), np.split(chunk, cut)):
+            if len(run_idx):
+                c = int(run_chunk[0])
+                out.append(self.chunks[c].rows(run_idx - self._starts[c]))
+        return SpanPages(out)
+
+    def page_bytes(self) -> list[int]:
+        """Each page's length in bytes."""
+        return [n for c in self.chunks for n in itertools.repeat(sum(c.sizes), len(c))]
+
+    def nbytes(self) -> int:
+        """The bytes of every page together."""
+        return sum(len(c) * sum(c.sizes) for c in self.chunks)
+
+
+def select_pages(pages: Sequence[Parts], idx: Sequence[int]) -> Sequence[Parts]:
+    """``[pages[i] for i in idx]``, kept as spans where ``pages`` are spans."""
+    if isinstance(pages, SpanPages):
+        return pages.select(idx)
+    return [pages[i] for i in idx]
