@@ -7,7 +7,9 @@
 #   OUT=/tmp/out bash profiling/gpu_host_storage.sh
 # MODE=parts: instead, pages of two parts (a page_first KV pool's K and V ranges; the store's C
 # loops against its Python loops in the same runs) on 2 CPUs and on all, then one-part pages on
-# 2 CPUs. About 8 minutes.
+# 2 CPUs. About 8 minutes. MODE=forms: a page_first pool's pages as tensors against PageSpans,
+# the pages' making and the store call timed together (storage_page_forms), then the benchmark
+# with two-part pages as spans on 2 CPUs. About 5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/storage_host}
@@ -19,6 +21,19 @@ export PYTHONPATH=$PWD KVTIER_CACHE_DIR=${KVTIER_CACHE_DIR:-/tmp/kvtier-cache}
   command -v cc gcc || echo "no C compiler"
   python3 -c 'from kvtier.storage.segments import native; lib = native.library(); print("native loops:", lib is not None, "streaming XXH3:", lib is not None and lib.stream_at is not None)'
 } 2>&1 | tee "$OUT/host.txt"
+if [ "${MODE:-all}" = forms ]; then
+  all="0-$(($(nproc) - 1))"
+  for run in "0,1 64 3" "0,1 256 2" "0,1 2048 2" "$all 64 3" "$all 256 2"; do
+    set -- $run
+    echo "== CPUs $1, $2 KiB pages"
+    taskset -c "$1" timeout 120 python3 -m profiling.storage_page_forms --dir /tmp --page-kib "$2" \
+      --rounds "$3" 2>&1 | tee -a "$OUT/page_forms.txt"
+  done
+  taskset -c 0,1 timeout 200 python3 profiling/bench_storage.py --dir /tmp --single-only \
+    --pages 64 256 2048 --total-mib 256 --repeats 3 --parts 2 --spans --out "$OUT/pinned_spans2" \
+    2>&1 | grep -E "^\| |load average|command|touched|pages of|no plot" | tee "$OUT/pinned_spans2.txt"
+  exit 0
+fi
 if [ "${MODE:-all}" = parts ]; then
   all="0-$(($(nproc) - 1))"
   for run in "0,1 2 pinned_parts2" "$all 2 all_parts2" "0,1 1 pinned_parts1"; do
