@@ -112,9 +112,18 @@ class PageSpans:
         b = self.buffer
         return tuple(b[o : o + n] for o, n in zip(self.offsets[i].tolist(), self.sizes))
 
-    def rows(self, pages: np.ndarray) -> PageSpans:
-        """These spans' ``pages`` (an index array), in that order."""
-        return PageSpans(self.buffer, self.offsets[pages], self.sizes)
+    def rows(self, pages: np.ndarray | slice) -> PageSpans:
+        """These spans' ``pages`` (an index array, or a slice), in that order."""
+        return self._made(self.buffer, self.offsets[pages], self.sizes)
+
+    @classmethod
+    def _made(cls, buffer: torch.Tensor, offsets: np.ndarray, sizes: tuple[int, ...]) -> PageSpans:
+        """Spans from parts already checked (rows of checked spans): no checks again."""
+        out = object.__new__(cls)
+        object.__setattr__(out, "buffer", buffer)
+        object.__setattr__(out, "offsets", offsets)
+        object.__setattr__(out, "sizes", sizes)
+        return out
 
 
 class SpanPages(Sequence[Parts]):
@@ -124,10 +133,10 @@ class SpanPages(Sequence[Parts]):
 
     def __init__(self, chunks: Sequence[PageSpans]) -> None:
         self.chunks = [c for c in chunks if len(c)]
-        self._starts = [0, *itertools.accumulate(len(c) for c in self.chunks)]
+        self._starts = np.array([0, *itertools.accumulate(len(c) for c in self.chunks)], np.int64)
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return int(self._starts[-1])
 
     def _locate(self, i: int) -> tuple[PageSpans, int]:
         n = len(self)
@@ -136,7 +145,7 @@ class SpanPages(Sequence[Parts]):
         if not 0 <= i < n:
             raise IndexError(f"page {i} of {n}")
         c = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return self.chunks[c], i - self._starts[c]
+        return self.chunks[c], i - int(self._starts[c])
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
@@ -151,7 +160,15 @@ class SpanPages(Sequence[Parts]):
 
     def select(self, pages: Sequence[int]) -> SpanPages:
         """These pages, in the order given, as spans (no tensor per page)."""
+        n = len(self)
+        if isinstance(pages, range) and pages.step == 1 and 0 <= pages.start <= pages.stop <= n:
+            if len(self.chunks) == 1:  # the common case: a run of one transfer's pages
+                return SpanPages([self.chunks[0].rows(slice(pages.start, pages.stop))])
         idx = np.asarray(pages, dtype=np.int64).reshape(-1)
+        if len(self.chunks) == 1:
+            if len(idx) and (idx.min() < 0 or idx.max() >= n):
+                raise IndexError(f"pages outside [0, {n})")
+            return SpanPages([self.chunks[0].rows(idx)])
         if len(idx) and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"pages outside [0, {len(self)})")
         chunk = np.searchsorted(self._starts, idx, side="right") - 1
@@ -161,7 +178,7 @@ class SpanPages(Sequence[Parts]):
         for run_idx, run_chunk in zip(np.split(idx, cut), np.split(chunk, cut)):
             if len(run_idx):
                 c = int(run_chunk[0])
-                out.append(self.chunks[c].rows(run_idx - self._starts[c]))
+                out.append(self.chunks[c].rows(run_idx - int(self._starts[c])))
         return SpanPages(out)
 
     def page_bytes(self) -> list[int]:

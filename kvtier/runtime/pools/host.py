@@ -99,6 +99,7 @@ class HostPool:
             dev.item_shape,
         )
         self.knobs = knobs
+        self._spans: tuple | None = None  # page_spans' per-pool parts, made on first use
 
     @property
     def nbytes(self) -> int:
@@ -199,16 +200,23 @@ class HostPool:
                 f"layout: {self.layout.value} pages are not contiguous; pack them into staging"
             )
         buf = self.buffer
-        ids = pages.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        if pages.dtype is torch.int64 and pages.dim() == 1 and pages.is_cpu:
+            ids = pages.detach().numpy()
+        else:
+            ids = pages.detach().reshape(-1).cpu().numpy().astype(np.int64)
         count = buf.num_slots // buf.page_size
-        bad = np.flatnonzero((ids < 0) | (ids >= count))
-        if len(bad):
-            raise ValueError(f"pages: page {int(ids[bad[0]])} outside [0, {count})")
-        parts = np.arange(buf.num_buffers, dtype=np.int64) * buf.stride_buffer
-        offsets = ids[:, None] * buf.stride_page + parts[None, :]
-        span = buf.page_size * buf.item_bytes * buf.num_layers
-        raw = self.tensor.view(-1).view(torch.uint8)
-        return PageSpans(raw, offsets, (span,) * buf.num_buffers)
+        if len(ids) and (ids.min() < 0 or ids.max() >= count):
+            bad = int(ids[np.flatnonzero((ids < 0) | (ids >= count))[0]])
+            raise ValueError(f"pages: page {bad} outside [0, {count})")
+        spans = self._spans
+        if spans is None:  # per pool: the bytes, each part's offset in a page, the part sizes
+            raw = self.tensor.view(-1).view(torch.uint8)
+            parts = np.arange(buf.num_buffers, dtype=np.int64) * buf.stride_buffer
+            span = buf.page_size * buf.item_bytes * buf.num_layers
+            spans = self._spans = (raw, parts[None, :], (span,) * buf.num_buffers)
+        raw, parts, sizes = spans
+        # Offsets made here are in range and int64 [pages, parts]: no checks again.
+        return PageSpans._made(raw, ids[:, None] * buf.stride_page + parts, sizes)
 
     def _as_slot_buffers(self) -> DeviceBuffers:
         """This layer_first pool as per-(buffer, layer) slot tensors, for the packing kernel."""
