@@ -276,12 +276,17 @@ class StorageBackend(ABC):
         """Whether each object exists (a stale ``True`` is allowed; ``get`` will then fail)."""
 
     @abstractmethod
-    def _read(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
-        """Read and verify each object into its page's parts; ``False`` per missing/bad page."""
+    def _read(self, object_keys: list[str], pages: Sequence[Parts]) -> list[bool]:
+        """Read and verify each object into its page's parts; ``False`` per missing/bad page.
+
+        ``pages`` is a sequence of parts tuples, not always a list: where the caller gave
+        ``PageSpans`` it is a ``spans.SpanPages``, whose indexing makes a page's tensors anew
+        each time (a backend that reads its arrays, as the segment store does, makes none)."""
 
     @abstractmethod
-    def _write(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
-        """Store each page (its parts, concatenated) under its object key unless stored."""
+    def _write(self, object_keys: list[str], pages: Sequence[Parts]) -> list[bool]:
+        """Store each page (its parts, concatenated) under its object key unless stored
+        (``pages`` as in ``_read``)."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -303,7 +308,7 @@ class StorageBackend(ABC):
     def close(self) -> None:
         """Release connections and registrations; the backend is unusable afterwards."""
 
-    def _check_buffers(self, pages: list[Parts]) -> None:
+    def _check_buffers(self, pages: Sequence[Parts]) -> None:
         """Raise ``ValueError`` for page buffers this backend cannot move (e.g. unregistered)."""
 
     # -- the batch API ----------------------------------------------------------------------------

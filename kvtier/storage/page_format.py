@@ -317,15 +317,18 @@ class PageViews:
                 self._region = [0] * len(flat)  # all inside: the common case, in C loops
             else:
                 inside = [n == 0 or (lo <= a and a + n <= hi) for a, n in zip(ptrs, sizes)]
-                known = {lo: 0}
+                # By address and length: two storages may start at one address (views of one
+                # mapping), and a region must hold all of each part it serves.
+                known = {(lo, hi - lo): 0}
                 for k, p in enumerate(flat):
                     if inside[k]:
                         self._region.append(0)
                         continue
                     storage = p.untyped_storage()
-                    r = known.get(storage.data_ptr())
+                    at = (storage.data_ptr(), storage.nbytes())
+                    r = known.get(at)
                     if r is None:
-                        r = known[storage.data_ptr()] = len(self._regions)
+                        r = known[at] = len(self._regions)
                         self._add_region(storage)
                     self._region.append(r)
 
@@ -340,12 +343,13 @@ class PageViews:
         ptrs: list[int] = []
         sizes: list[int] = []
         self._region = []
-        known: dict[int, int] = {}
+        known: dict[tuple[int, int], int] = {}  # by address and length, as in __init__
         for c in pages.chunks:
             storage = c.buffer.untyped_storage()
-            r = known.get(storage.data_ptr())
+            at = (storage.data_ptr(), storage.nbytes())
+            r = known.get(at)
             if r is None:
-                r = known[storage.data_ptr()] = len(self._regions)
+                r = known[at] = len(self._regions)
                 self._add_region(storage)
             ptrs += (c.offsets + c.buffer.data_ptr()).ravel().tolist()
             sizes += list(c.sizes) * len(c)

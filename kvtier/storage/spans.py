@@ -19,6 +19,8 @@ import torch
 
 __all__ = ["PageSpans", "SpanPages"]
 
+_I64_MAX = 2**63 - 1
+
 Parts = tuple[torch.Tensor, ...]
 
 
@@ -62,14 +64,16 @@ class PageSpans:
             raise TypeError(f"offsets: expected int64 [pages, parts], got {_shown(offsets)}") from e
         if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
             raise TypeError(f"offsets: expected integers, got dtype {arr.dtype}")
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _I64_MAX:
+            raise ValueError(f"offsets: {int(arr.max())} is past any buffer")
         sizes = self.sizes
         if isinstance(sizes, int) or not isinstance(sizes, Sequence):
             raise TypeError(f"sizes: expected a sequence of ints, got {_shown(sizes)}")
         if any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in sizes):
             raise TypeError(f"sizes: expected ints, got {_shown(sizes)}")
         sizes = tuple(int(s) for s in sizes)
-        if not sizes or min(sizes) < 0:
-            raise ValueError(f"sizes: need at least one part, each >= 0, got {sizes}")
+        if not sizes or min(sizes) < 0 or max(sizes) > _I64_MAX:
+            raise ValueError(f"sizes: need at least one part, each in [0, 2**63), got {sizes}")
         if arr.size == 0:
             arr = arr.reshape(0, len(sizes))
         if arr.ndim != 2 or arr.shape[1] != len(sizes):
@@ -77,7 +81,10 @@ class PageSpans:
                 f"offsets: shape must be [pages, {len(sizes)}] (one column per part size), got "
                 f"{list(arr.shape)}"
             )
-        object.__setattr__(self, "offsets", np.ascontiguousarray(arr, dtype=np.int64))
+        # A copy of its own, read-only: the caller's array may change after the call checks it.
+        own = np.array(arr, dtype=np.int64, order="C", copy=True)
+        own.setflags(write=False)
+        object.__setattr__(self, "offsets", own)
         object.__setattr__(self, "sizes", sizes)
 
     def __len__(self) -> int:
@@ -85,7 +92,20 @@ class PageSpans:
 
     def check(self, pool: object) -> None:
         """Raise ``TypeError``/``ValueError`` (naming ``pool``) unless every range lies in a 1-D
-        contiguous uint8 CPU ``buffer``."""
+        contiguous uint8 CPU ``buffer`` whose memory is all there (its storage as long as the
+        tensor says: the store moves bytes by address, with no tensor to refuse a short one)."""
+        offsets, sizes = self.offsets, self.sizes
+        if (
+            not isinstance(offsets, np.ndarray)
+            or offsets.dtype != np.int64
+            or offsets.ndim != 2
+            or offsets.shape[1] != len(sizes)
+        ):
+            raise ValueError(
+                f"pool {pool!r}: PageSpans.offsets must be int64 [pages, {len(sizes)}], got "
+                f"{getattr(offsets, 'dtype', type(offsets).__name__)} "
+                f"{list(getattr(offsets, 'shape', ()))}"
+            )
         b = self.buffer
         if not isinstance(b, torch.Tensor):
             raise TypeError(
@@ -96,15 +116,22 @@ class PageSpans:
                 f"pool {pool!r}: PageSpans.buffer must be a 1-D contiguous uint8 CPU tensor, got "
                 f"{b.dtype} shape {tuple(b.shape)} on {b.device}"
             )
-        if len(self.offsets):
-            lo = int(self.offsets.min())
-            ends = self.offsets + np.asarray(self.sizes, dtype=np.int64)
-            hi = int(ends.max())
-            if lo < 0 or hi > b.numel():
-                i = int(np.flatnonzero(((self.offsets < 0) | (ends > b.numel())).any(axis=1))[0])
+        n = b.numel()
+        if b.storage_offset() + n > b.untyped_storage().nbytes():
+            raise ValueError(
+                f"pool {pool!r}: PageSpans.buffer's storage holds "
+                f"{b.untyped_storage().nbytes()} bytes, short of its {b.storage_offset() + n} "
+                "(a storage resized or freed)"
+            )
+        if len(offsets):
+            # Per part: 0 <= offset <= n - size, compared without sums that could overflow.
+            room = n - np.asarray(sizes, dtype=np.int64)  # sizes < 2**63; negative: no room
+            bad = (offsets < 0) | (offsets > room)
+            if bad.any():
+                i = int(np.flatnonzero(bad.any(axis=1))[0])
                 raise ValueError(
-                    f"pool {pool!r}: PageSpans page {i}: ranges at {self.offsets[i].tolist()} of "
-                    f"{list(self.sizes)} bytes leave the buffer's {b.numel()} bytes"
+                    f"pool {pool!r}: PageSpans page {i}: ranges at {offsets[i].tolist()} of "
+                    f"{list(sizes)} bytes leave the buffer's {n} bytes"
                 )
 
     def page(self, i: int) -> Parts:
@@ -113,7 +140,13 @@ class PageSpans:
         return tuple(b[o : o + n] for o, n in zip(self.offsets[i].tolist(), self.sizes))
 
     def rows(self, pages: np.ndarray | slice) -> PageSpans:
-        """These spans' ``pages`` (an index array, or a slice), in that order."""
+        """These spans' ``pages`` (a 1-D index array, or a slice), in that order."""
+        if not isinstance(pages, slice):
+            pages = np.asarray(pages)
+            if pages.ndim != 1 or (pages.size and pages.dtype.kind not in "iu"):
+                raise ValueError(
+                    f"pages: expected a 1-D index array or a slice, got {_shown(pages)}"
+                )
         return self._made(self.buffer, self.offsets[pages], self.sizes)
 
     @classmethod

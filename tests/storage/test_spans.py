@@ -150,7 +150,40 @@ def _spans_cases() -> list[tuple[str, object, type, str]]:
             "page 1",
         ),
         ("negative", lambda: PageSpans(buf, np.array([[-1], [0]]), (10,)), ValueError, "page 0"),
+        # offset + size past 2**63 wraps to a negative end: compared without the sum
+        (
+            "offset overflow",
+            lambda: PageSpans(buf, np.array([[0], [2**63 - 8]]), (64,)),
+            ValueError,
+            "page 1",
+        ),
+        (
+            "size overflow",
+            lambda: PageSpans(buf, np.array([[1], [2]]), (2**63 - 1,)),
+            ValueError,
+            "page 0",
+        ),
+        (
+            "size past the buffer",
+            lambda: PageSpans(buf, np.array([[0], [0]]), (4097,)),
+            ValueError,
+            "page 0",
+        ),
+        (
+            "storage cut short",
+            lambda: PageSpans(_short_storage(), ok, (10,)),
+            ValueError,
+            "storage",
+        ),
     ]
+
+
+def _short_storage() -> torch.Tensor:
+    """A tensor that says 1 MiB over a storage resized to 4 KiB (as FSDP frees one): moved by
+    address, its pages would run past the allocation."""
+    t = torch.zeros(1 << 20, dtype=torch.uint8)
+    t.untyped_storage().resize_(4096)
+    return t
 
 
 @pytest.mark.parametrize(
@@ -158,16 +191,21 @@ def _spans_cases() -> list[tuple[str, object, type, str]]:
     [(m, e, s) for _, m, e, s in _spans_cases()],
     ids=[name for name, *_ in _spans_cases()],
 )
+@pytest.mark.parametrize("native", [True, False], ids=["c-loops", "python-loops"])
 def test_bad_spans_are_refused_and_nothing_moves(
-    tmp_path: Path, make, error: type, match: str
+    tmp_path: Path, make, error: type, match: str, native: bool
 ) -> None:
-    b = create_backend("file", root=tmp_path / "l3")
-    for call in (b.set, b.get):
+    """Refused before anything moves: a get names no page a miss (a good record is not dropped),
+    a set stores nothing; the metrics are as before."""
+    b = create_backend("file", root=tmp_path / "l3", native=native)
+    good = list(torch.randint(0, 256, (2, 64), dtype=torch.uint8).unbind(0))
+    assert b.set([PoolTransfer("kv", H[:2], good)]).all_ok
+    before = b.metrics.snapshot()
+    for call, keys in ((b.set, H[2:4]), (b.get, H[:2])):
         with pytest.raises(error, match=match):
-            call([PoolTransfer("kv", H[:2], make())])
-    assert b.contains("kv", H[:2]) == [False, False]
-    snap = b.metrics.snapshot()
-    assert snap.get("failed_pages.write", 0) == 0 and snap.get("failed_pages.read", 0) == 0
+            call([PoolTransfer("kv", keys, make())])
+    assert b.contains("kv", H[:4]) == [True, True, False, False]
+    assert b.metrics.snapshot() == before
 
 
 @pytest.mark.parametrize(
@@ -206,6 +244,11 @@ def test_span_pages_index_slice_and_select_in_order() -> None:
     assert torch.cat(pages[-1]).tolist() == flat[4]
     picked = pages.select([4, 0, 1, 3])
     assert [torch.cat(p).tolist() for p in picked] == [flat[i] for i in (4, 0, 1, 3)]
+    one = SpanPages([a])  # one transfer: runs sliced, picks kept in their order
+    assert [torch.cat(p).tolist() for p in one.select(range(1, 3))] == flat[1:3]
+    assert [torch.cat(p).tolist() for p in one.select([2, 0])] == [flat[2], flat[0]]
+    with pytest.raises(IndexError):
+        one.select([3])
     assert [torch.cat(p).tolist() for p in pages[1:4]] == flat[1:4]
     with pytest.raises(IndexError):
         pages[5]
@@ -237,3 +280,103 @@ def test_the_host_pools_spans_name_the_bytes_of_its_page_views() -> None:
             host.page_spans(torch.tensor([1, 32]))
     with pytest.raises(ValueError, match="not contiguous"):
         HostPool(dev, "layer_first", size=16 * 8, pin=False).page_spans(torch.tensor([0]))
+
+
+def test_spans_keep_their_own_offsets() -> None:
+    """The offsets are copied and read-only: the caller's array changed after a call checked
+    the spans cannot move them."""
+    arr = np.array([[0], [64]])
+    spans = PageSpans(torch.zeros(128, dtype=torch.uint8), arr, (64,))
+    arr[1, 0] = 10**12
+    assert spans.offsets.tolist() == [[0], [64]] and not spans.offsets.flags.writeable
+    t = torch.tensor([[0], [64]])
+    spans = PageSpans(torch.zeros(128, dtype=torch.uint8), t, (64,))
+    t[1, 0] = 10**12
+    assert spans.offsets.tolist() == [[0], [64]]
+    with pytest.raises(ValueError, match="past any buffer"):
+        PageSpans(torch.zeros(128, dtype=torch.uint8), np.array([[2**64 - 1]], np.uint64), (1,))
+    with pytest.raises(ValueError, match="1-D index array"):
+        spans.rows(1)
+    with pytest.raises(ValueError, match="1-D index array"):
+        spans.rows(np.array([[0, 1]]))
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-loops", "python-loops"])
+def test_spans_over_two_storages_in_one_call(tmp_path: Path, native: bool) -> None:
+    """Two transfers' spans over two host buffers (two storages): each page from its own."""
+    b = create_backend("file", root=tmp_path / "l3", native=native)
+    bufs = [torch.randint(0, 256, (room(6, (700, 300)),), dtype=torch.uint8) for _ in range(2)]
+    spans = [PageSpans(x, layout(6, (700, 300), 5 + k), (700, 300)) for k, x in enumerate(bufs)]
+    assert b.set([PoolTransfer("kv", H[:6], spans[0]), PoolTransfer("swa", H[:6], spans[1])]).all_ok
+    outs = [PageSpans(torch.zeros_like(x), sp.offsets, sp.sizes) for x, sp in zip(bufs, spans)]
+    got = b.get([PoolTransfer("kv", H[:6], outs[0]), PoolTransfer("swa", H[:6], outs[1])])
+    assert got.all_ok
+    for out, sp in zip(outs, spans):
+        assert all(torch.equal(x, y) for x, y in zip(contents(out), contents(sp)))
+    assert b.metrics.snapshot()["bytes.storage.write"] == 12 * 1000
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-loops", "python-loops"])
+def test_two_storages_at_one_address_each_serve_their_own_bytes(
+    tmp_path: Path, native: bool
+) -> None:
+    """Two storages that start at one address (tensors over one mapping, of other lengths): a
+    part of the longer is served from its own storage, not cut to the shorter (the store kept
+    one region per address, so the Python loops wrote a part shorter than its page)."""
+    import mmap
+    import warnings
+
+    mm = mmap.mmap(-1, 1 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer over a writable mapping
+        small = torch.frombuffer(mm, dtype=torch.uint8, count=4096)
+        big = torch.frombuffer(mm, dtype=torch.uint8)
+    big.copy_(torch.randint(0, 256, (1 << 20,), dtype=torch.uint8))
+    b = create_backend("file", root=tmp_path / "l3", native=native)
+    for k, form in enumerate(("tensors", "spans")):
+        keys = H[2 * k : 2 * k + 2]
+        if form == "tensors":
+            t = [
+                PoolTransfer("a", keys[:1], [small[:1000]]),
+                PoolTransfer("b", keys[1:], [big[500000:501000]]),
+            ]
+        else:
+            t = [
+                PoolTransfer("a", keys[:1], PageSpans(small, np.array([[0]]), (1000,))),
+                PoolTransfer("b", keys[1:], PageSpans(big, np.array([[500000]]), (1000,))),
+            ]
+        assert b.set(t).all_ok
+        out = torch.zeros(1000, dtype=torch.uint8)
+        assert b.get([PoolTransfer("b", keys[1:], [out])]).all_ok
+        assert torch.equal(out, big[500000:501000])
+    b.close()
+
+
+def test_page_spans_refuse_page_ids_that_are_not_integers() -> None:
+    from kvtier.runtime.pools.device import MHADevicePool
+    from kvtier.runtime.pools.host import HostPool
+
+    host = HostPool(MHADevicePool(2, 64, 2, 8, page_size=4), "page_first", size=64, pin=False)
+    for bad in (torch.tensor([1.7]), torch.tensor([True])):
+        with pytest.raises(TypeError, match="integer page ids"):
+            host.page_spans(bad)
+    assert host.page_spans(torch.tensor([3], dtype=torch.int32)).offsets.tolist() == (
+        host.page_spans(torch.tensor([3])).offsets.tolist()
+    )
+
+
+def test_one_transfer_of_more_pages_than_a_mooncake_arena_holds(
+    mooncake_backend_fresh, host_arena: torch.Tensor
+) -> None:
+    """Mooncake moves a batch in chunks of its header arena (4,096 pages): spans sliced for
+    each chunk from the right page (review of the spans change: a slice from page 0 passed every
+    other test)."""
+    n, s = 5000, 16
+    src, dst = host_arena[: n * s], host_arena[n * s : 2 * n * s]
+    src.copy_(torch.randint(0, 256, (n * s,), dtype=torch.uint8))
+    dst.fill_(POISON)
+    at = (np.arange(n) * s)[:, None]
+    keys = page_hashes(range(n * 16), NS)
+    assert mooncake_backend_fresh.set([PoolTransfer("kv", keys, PageSpans(src, at, (s,)))]).all_ok
+    assert mooncake_backend_fresh.get([PoolTransfer("kv", keys, PageSpans(dst, at, (s,)))]).all_ok
+    assert torch.equal(src, dst)

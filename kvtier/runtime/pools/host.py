@@ -200,6 +200,8 @@ class HostPool:
                 f"layout: {self.layout.value} pages are not contiguous; pack them into staging"
             )
         buf = self.buffer
+        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype is torch.bool:
+            raise TypeError(f"pages: expected integer page ids, got dtype {pages.dtype}")
         if pages.dtype is torch.int64 and pages.dim() == 1 and pages.is_cpu:
             ids = pages.detach().numpy()
         else:
@@ -216,7 +218,9 @@ class HostPool:
             spans = self._spans = (raw, parts[None, :], (span,) * buf.num_buffers)
         raw, parts, sizes = spans
         # Offsets made here are in range and int64 [pages, parts]: no checks again.
-        return PageSpans._made(raw, ids[:, None] * buf.stride_page + parts, sizes)
+        offsets = ids[:, None] * buf.stride_page + parts
+        offsets.setflags(write=False)
+        return PageSpans._made(raw, offsets, sizes)
 
     def _as_slot_buffers(self) -> DeviceBuffers:
         """This layer_first pool as per-(buffer, layer) slot tensors, for the packing kernel."""
