@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Hashable
 
+import numpy as np
 import torch
 
 from kvtier.runtime.config import CacheConfig
@@ -103,7 +104,7 @@ class L3Pool:
         if not self.staged:
             return self.host.page_spans(pages)
         rows = self.host.pack(pages, self.staging())
-        return list(rows.unbind(0))
+        return self._rows(rows.shape[0])
 
     def read_views(self, pages: torch.Tensor) -> list | PageSpans:
         """Page buffers to read ``pages``' objects into; call ``finish_read`` after."""
@@ -111,7 +112,14 @@ class L3Pool:
             return self.host.slot_views(pages)
         if not self.staged:
             return self.host.page_spans(pages)
-        return list(self.staging()[: pages.numel()].unbind(0))
+        return self._rows(pages.numel())
+
+    def _rows(self, n: int) -> PageSpans:
+        """The first ``n`` rows of this thread's staging buffer as ``PageSpans``."""
+        buf = self.staging()
+        at = np.arange(n, dtype=np.int64)[:, None] * buf.shape[1]
+        at.setflags(write=False)
+        return PageSpans._made(buf.view(-1), at, (buf.shape[1],))
 
     def finish_read(self, pages: torch.Tensor, n_ok: int) -> None:
         """Move the first ``n_ok`` staged pages into the host pool (layer_first)."""
