@@ -29,6 +29,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -356,32 +357,38 @@ class HostBuffer:
         """Bytes of one page across all buffers and layers."""
         return self.num_buffers * self.num_layers * self.page_size * self.item_bytes
 
-    def page_ranges(self, pages: torch.Tensor) -> list[list[tuple[int, int]]]:
-        """For each page id, the ``(byte offset, nbytes)`` ranges that hold its bytes.
+    def page_parts(self, pages: torch.Tensor) -> tuple[np.ndarray, tuple[int, ...]]:
+        """Where each page id's bytes are, in one array: ``(offsets, sizes)``, ``offsets[i, k]``
+        the byte offset from ``tensor.data_ptr()`` of page ``pages[i]``'s part ``k`` (int64,
+        read-only), ``sizes[k]`` that part's bytes.
 
-        Page-first layouts give one range per buffer (K and V for MHA, one for MLA), each
-        ``P * L * I`` bytes; layer_first gives one range per (buffer, layer) of ``P * I`` bytes.
-        Offsets are from ``tensor.data_ptr()``.
+        Page-first layouts give one part per buffer (K and V for MHA, one for MLA), each
+        ``P * L * I`` bytes; layer_first gives one part per (buffer, layer) of ``P * I`` bytes.
         """
-        out = []
+        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype is torch.bool:
+            raise TypeError(f"pages: expected integer page ids, got dtype {pages.dtype}")
+        if pages.dtype is torch.int64 and pages.dim() == 1 and pages.is_cpu:
+            ids = pages.detach().numpy()
+        else:
+            ids = pages.detach().reshape(-1).cpu().numpy().astype(np.int64)
+        count = self.num_slots // self.page_size
+        if len(ids) and (ids.min() < 0 or ids.max() >= count):
+            bad = int(ids[np.flatnonzero((ids < 0) | (ids >= count))[0]])
+            raise ValueError(f"pages: page {bad} outside [0, {count})")
         span = self.page_size * self.item_bytes
-        for p in pages.tolist():
-            if not 0 <= p < self.num_slots // self.page_size:
-                raise ValueError(f"pages: page {p} outside [0, {self.num_slots // self.page_size})")
-            base = p * self.stride_page
-            if self.layout is not None and self.layout.page_contiguous:
-                out.append(
-                    [
-                        (b * self.stride_buffer + base, span * self.num_layers)
-                        for b in range(self.num_buffers)
-                    ]
-                )
-            else:
-                out.append(
-                    [
-                        (b * self.stride_buffer + l * self.stride_layer + base, span)
-                        for b in range(self.num_buffers)
-                        for l in range(self.num_layers)
-                    ]
-                )
-        return out
+        bufs = np.arange(self.num_buffers, dtype=np.int64) * self.stride_buffer
+        if self.layout is not None and self.layout.page_contiguous:
+            parts, sizes = bufs, (span * self.num_layers,) * self.num_buffers
+        else:
+            layers = np.arange(self.num_layers, dtype=np.int64) * self.stride_layer
+            parts = (bufs[:, None] + layers[None, :]).reshape(-1)
+            sizes = (span,) * (self.num_buffers * self.num_layers)
+        offsets = ids[:, None] * self.stride_page + parts[None, :]
+        offsets.setflags(write=False)
+        return offsets, sizes
+
+    def page_ranges(self, pages: torch.Tensor) -> list[list[tuple[int, int]]]:
+        """For each page id, the ``(byte offset, nbytes)`` ranges that hold its bytes
+        (``page_parts`` as lists)."""
+        offsets, sizes = self.page_parts(pages)
+        return [list(zip(row, sizes)) for row in offsets.tolist()]

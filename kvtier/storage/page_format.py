@@ -317,20 +317,9 @@ class PageViews:
                 self._region = [0] * len(flat)  # all inside: the common case, in C loops
             else:
                 inside = [n == 0 or (lo <= a and a + n <= hi) for a, n in zip(ptrs, sizes)]
-                # By address and length: two storages may start at one address (views of one
-                # mapping), and a region must hold all of each part it serves.
                 known = {(lo, hi - lo): 0}
                 for k, p in enumerate(flat):
-                    if inside[k]:
-                        self._region.append(0)
-                        continue
-                    storage = p.untyped_storage()
-                    at = (storage.data_ptr(), storage.nbytes())
-                    r = known.get(at)
-                    if r is None:
-                        r = known[at] = len(self._regions)
-                        self._add_region(storage)
-                    self._region.append(r)
+                    self._region.append(0 if inside[k] else self._region_of(p, known))
 
     def _from_spans(self, pages: SpanPages) -> None:
         """The views of pages given as byte ranges of host buffers: addresses and sizes from
@@ -339,22 +328,25 @@ class PageViews:
         self._counts = [n for c in pages.chunks for n in itertools.repeat(len(c.sizes), len(c))]
         self._single = all(len(c.sizes) == 1 for c in pages.chunks)
         self._first = None if self._single else [0, *itertools.accumulate(self._counts)]
-        self._keep, self._regions = [], []
-        ptrs: list[int] = []
-        sizes: list[int] = []
-        self._region = []
-        known: dict[tuple[int, int], int] = {}  # by address and length, as in __init__
+        self._keep, self._regions, self._region = [], [], []
+        known: dict[tuple[int, int], int] = {}
+        self._ptrs, self._sizes = [], []
         for c in pages.chunks:
-            storage = c.buffer.untyped_storage()
-            at = (storage.data_ptr(), storage.nbytes())
-            r = known.get(at)
-            if r is None:
-                r = known[at] = len(self._regions)
-                self._add_region(storage)
-            ptrs += (c.offsets + c.buffer.data_ptr()).ravel().tolist()
-            sizes += list(c.sizes) * len(c)
-            self._region += [r] * c.offsets.size
-        self._ptrs, self._sizes = ptrs, sizes
+            self._region += [self._region_of(c.buffer, known)] * c.offsets.size
+            self._ptrs += (c.offsets + c.buffer.data_ptr()).ravel().tolist()
+            self._sizes += list(c.sizes) * len(c)
+
+    def _region_of(self, part: torch.Tensor, known: dict[tuple[int, int], int]) -> int:
+        """The region of ``part``'s storage, added on first sight. Keyed by address and length:
+        two storages may start at one address (views of one mapping), and a region must hold
+        all of each part it serves."""
+        storage = part.untyped_storage()
+        at = (storage.data_ptr(), storage.nbytes())
+        r = known.get(at)
+        if r is None:
+            r = known[at] = len(self._regions)
+            self._add_region(storage)
+        return r
 
     def _add_region(self, storage: torch.UntypedStorage) -> tuple[int, int]:
         """A view of all of ``storage`` by address (no torch call per part: cheaper, and it never
@@ -411,9 +403,18 @@ class PageViews:
         start = np.zeros(len(sel) + 1, dtype=np.int64)
         np.cumsum(counts, out=start[1:])
         idx = np.repeat(first[sel] - start[:-1], counts) + np.arange(start[-1], dtype=np.int64)
-        ptrs = np.asarray(self._ptrs, dtype=np.uint64)
-        sizes = np.asarray(self._sizes, dtype=np.uint64)
+        ptrs, sizes = self.address_arrays()
         return start, ptrs[idx], sizes[idx]
+
+    def address_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each part's address and size as uint64 arrays, made once (not to be changed)."""
+        arrays = self.__dict__.get("_arrays")
+        if arrays is None:
+            arrays = self._arrays = (
+                np.asarray(self._ptrs, dtype=np.uint64),
+                np.asarray(self._sizes, dtype=np.uint64),
+            )
+        return arrays
 
     def lengths(self) -> list[int]:
         """Each page's length in bytes (shared with this object: not to be changed)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 
 from kvtier.kernels.dispatch import Impl
@@ -99,7 +98,7 @@ class HostPool:
             dev.item_shape,
         )
         self.knobs = knobs
-        self._spans: tuple | None = None  # page_spans' per-pool parts, made on first use
+        self._raw: torch.Tensor | None = None  # the pool's bytes for page_spans, made once
 
     @property
     def nbytes(self) -> int:
@@ -199,27 +198,10 @@ class HostPool:
             raise ValueError(
                 f"layout: {self.layout.value} pages are not contiguous; pack them into staging"
             )
-        buf = self.buffer
-        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype is torch.bool:
-            raise TypeError(f"pages: expected integer page ids, got dtype {pages.dtype}")
-        if pages.dtype is torch.int64 and pages.dim() == 1 and pages.is_cpu:
-            ids = pages.detach().numpy()
-        else:
-            ids = pages.detach().reshape(-1).cpu().numpy().astype(np.int64)
-        count = buf.num_slots // buf.page_size
-        if len(ids) and (ids.min() < 0 or ids.max() >= count):
-            bad = int(ids[np.flatnonzero((ids < 0) | (ids >= count))[0]])
-            raise ValueError(f"pages: page {bad} outside [0, {count})")
-        spans = self._spans
-        if spans is None:  # per pool: the bytes, each part's offset in a page, the part sizes
-            raw = self.tensor.view(-1).view(torch.uint8)
-            parts = np.arange(buf.num_buffers, dtype=np.int64) * buf.stride_buffer
-            span = buf.page_size * buf.item_bytes * buf.num_layers
-            spans = self._spans = (raw, parts[None, :], (span,) * buf.num_buffers)
-        raw, parts, sizes = spans
-        # Offsets made here are in range and int64 [pages, parts]: no checks again.
-        offsets = ids[:, None] * buf.stride_page + parts
-        offsets.setflags(write=False)
+        offsets, sizes = self.buffer.page_parts(pages)  # checked, in range, read-only
+        raw = self._raw
+        if raw is None:
+            raw = self._raw = self.tensor.view(-1).view(torch.uint8)
         return PageSpans._made(raw, offsets, sizes)
 
     def _as_slot_buffers(self) -> DeviceBuffers:

@@ -558,10 +558,10 @@ def buffers(views, pages: Sequence[int]) -> Buffers:
     """The buffers of ``views``' (a ``PageViews``) ``pages``, in that order: their addresses
     where every page is one part, else their ``Parts``."""
     if views.single():
-        ptrs = views.addresses()
+        ptrs = views.address_arrays()[0]
         if isinstance(pages, range) and pages.step == 1:
-            return np.asarray(ptrs[pages.start : pages.stop], dtype=np.uint64)
-        return np.asarray(ptrs, dtype=np.uint64)[np.asarray(pages, dtype=np.intp)]
+            return ptrs[pages.start : pages.stop]
+        return ptrs[np.asarray(pages, dtype=np.intp)]
     return Parts(*views.part_arrays(pages))
 
 
