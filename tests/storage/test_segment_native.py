@@ -409,7 +409,7 @@ def test_a_put_that_fails_while_its_write_thread_runs_waits_for_it_and_journals_
     def started(*args):
         pending = write_start(*args)
         wait = pending.wait
-        pending_wait = lambda: (wait(), waited.append(True))  # noqa: E731
+        pending_wait = lambda: (wait(), waited.append(True))[0]  # noqa: E731
         return _Watched(pending_wait)
 
     def broken(*args):

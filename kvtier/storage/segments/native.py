@@ -4,7 +4,9 @@ A batch's runs cost ~2 us of Python each and a page ~1-2 us more (the iovecs, th
 bookkeeping of results), in the thread that also holds the GIL the other IO thread needs: at
 64 KiB pages that was a third of a batch's time (``profiling/results/bench_storage.md``, run L).
 Here one ``ctypes`` call moves and hashes a whole batch's runs, on the caller's thread and helper
-threads of its own, without the GIL.
+threads of its own, without the GIL. Those helpers, and a put's write thread, are the library's
+worker threads: started when first needed and kept for the process (starting and joining a
+thread per call cost 15-35 us each way); a forked child starts its own.
 
 **Built on first use.** ``native_io.c`` is compiled with the system C compiler (``$CC``, else
 ``cc``) into a cache directory, as Triton builds its launchers: ``$KVTIER_CACHE_DIR``, else
@@ -72,7 +74,7 @@ ENV_DISABLE = "KVTIER_NATIVE"
 """Set to ``0`` (or ``false``, ``no``, ``off``) to run the segment store's loops in Python."""
 _SOURCE = Path(__file__).with_name("native_io.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c11", "-Wall")
-_ABI = 3
+_ABI = 4
 _BUILD_TIMEOUT_S = 120.0
 _IOV_MAX = 1024  # native_io.c's KVT_IOV: iovecs a syscall takes
 
@@ -392,8 +394,21 @@ def _open(target: Path, hash_at: int) -> object | None:
     lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, vp, vp, i32, vp, vp)
     lib.kvt_write_start.restype = vp
     lib.kvt_write_start.argtypes = (vp, i32, vp, vp, vp, vp)
+    lib.kvt_workers.restype = i32
+    lib.kvt_workers.argtypes = ()
+    lib.kvt_write_journal.restype = i32
+    lib.kvt_write_journal.argtypes = (
+        vp,
+        i32,
+        ctypes.c_int64,
+        vp,
+        ctypes.c_int64,
+        i32,
+        i32,
+        ctypes.c_int64,
+    )
     lib.kvt_write_wait.restype = None
-    lib.kvt_write_wait.argtypes = (vp,)
+    lib.kvt_write_wait.argtypes = (vp, vp)
     lib.kvt_hash_records.restype = i32
     lib.kvt_hash_records.argtypes = (vp, vp, vp, vp, i32, vp, vp, vp)
     lib.kvt_encode_entries.restype = ctypes.c_int64
@@ -657,32 +672,53 @@ def write(lib, runs: np.ndarray, buffers: Buffers, lengths: np.ndarray, threads:
 
 
 class Pending:
-    """A write in flight on a thread of its own (``kvt_write_start``), of ``runs`` from records
-    at ``buffers`` (``lengths`` bytes each); ``wait`` ends it (each run's errno, or 0, in
+    """A write in flight on one of the library's workers (``kvt_write_start``), of ``runs`` from
+    records at ``buffers`` (``lengths`` bytes each); ``wait`` ends it (each run's errno, or 0, in
     ``runs["err"]``). The arrays stay referenced here until then; the caller keeps the records'
     buffers alive and calls ``wait`` (in a ``finally``) before they may go. Any number of
     threads may wait: each returns only once the write has ended. One never waited for (an
-    interrupt after it is made and before the caller's ``try``) is joined when it is collected,
-    which the interrupted frame's unwinding does before it releases the caller's buffers."""
+    interrupt after it is made and before the caller's ``try``) is ended when it is collected,
+    which the interrupted frame's unwinding does before it releases the caller's buffers.
 
-    __slots__ = ("__weakref__", "_done", "_joined", "_keep")
+    ``journal`` hands the worker the records' journal entries, to write after the runs if every
+    run succeeded; ``wait`` then says whether it did."""
+
+    __slots__ = ("__weakref__", "_done", "_ended", "_keep", "_handle", "_lib", "_out")
 
     def __init__(self, lib, handle: int, keep: tuple) -> None:
         self._keep = keep
+        self._lib, self._handle = lib, handle
         self._done = threading.Lock()
-        # The join, once: by wait, or at collection.
-        self._joined = weakref.finalize(self, lib.kvt_write_wait, handle)
+        self._out = (ctypes.c_int32 * 2)()  # written by the wait: journal written, its errno
+        # The wait, once: by ``wait``, or at collection.
+        self._ended = weakref.finalize(self, lib.kvt_write_wait, handle, self._out)
 
-    def wait(self) -> None:
+    def journal(
+        self, jfd: int, offset: int, entries: bytes, sync: bool, fd: int, time_ns: int
+    ) -> None:
+        """Have the worker write ``entries`` at ``offset`` of ``jfd`` once every run is written
+        (then, with ``sync``, ``fdatasync`` ``fd`` and ``jfd``; then set ``fd``'s times to
+        ``time_ns``). At most once, before ``wait``; with no memory for the copy the worker
+        does not, and ``wait`` says so."""
         with self._done:
-            self._joined()  # a no-op after the first call
+            if self._ended.alive:
+                self._lib.kvt_write_journal(
+                    self._handle, jfd, offset, entries, len(entries), int(sync), fd, time_ns
+                )
+
+    def wait(self) -> tuple[bool, int]:
+        """End the write: (whether the worker wrote the journal, stamped and synced as asked;
+        the errno of its journal step that failed, or 0)."""
+        with self._done:
+            self._ended()  # a no-op after the first call
             self._keep = ()
+        return bool(self._out[0]), int(self._out[1])
 
 
 def write_start(lib, runs: np.ndarray, buffers: Buffers, lengths: np.ndarray) -> Pending | None:
     """Start writing ``runs`` (records of ``lengths`` bytes, uint64, at ``buffers``: their
-    addresses, uint64, or their ``Parts``) on a thread of the C loops' own, unhashed; None if no
-    thread could be started (nothing written)."""
+    addresses, uint64, or their ``Parts``) on one of the library's worker threads, unhashed;
+    None if no worker could take it (nothing written)."""
     pstart, paddr, plen = _records(buffers, lengths)
     handle = lib.kvt_write_start(
         runs.ctypes.data, len(runs), lengths.ctypes.data, pstart, paddr, plen

@@ -19,10 +19,11 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define KVT_ABI 3
+#define KVT_ABI 4
 #define KVT_IOV 1024   /* iovecs per syscall (Linux's IOV_MAX) */
 #define KVT_THREADS 8  /* most threads one call uses, the caller's included */
 
@@ -256,6 +257,139 @@ static void one_run(kvt_job *job, kvt_hasher *h, kvt_run *r) {
     }
 }
 
+/* -- the library's threads: started on first need, then kept for the process ------------------
+ *
+ * A batch's helpers and a put's write thread are tasks for these workers: starting a thread per
+ * call and joining it cost 15-35 us each way on the dev VM (more right after a batch's IO has
+ * gone through the caches), a few percent of a 64 KiB-page batch. A worker is started when a
+ * task is queued and no worker is free (up to KVT_WORKERS); workers wait for tasks for good.
+ * A task not started yet can be withdrawn (the caller then does its work itself, or none is
+ * left). In a forked child the pool starts empty: the parent's workers are not there, and a
+ * task from before the fork (its generation) is never waited for. */
+#define KVT_WORKERS 64
+
+typedef struct kvt_task {
+    void *(*fn)(void *);
+    void *arg;
+    struct kvt_task *next;
+    int state; /* 0 queued, 1 running, 2 ended, 3 withdrawn */
+    unsigned gen;
+} kvt_task;
+
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER; /* a task queued */
+static pthread_cond_t pool_ended = PTHREAD_COND_INITIALIZER; /* a task ended (or a journal given) */
+static kvt_task *queue_head, *queue_tail;
+static int pool_workers, pool_free, pool_queued;
+static unsigned pool_gen;
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static void pool_child(void) {
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_cond_t c1 = PTHREAD_COND_INITIALIZER, c2 = PTHREAD_COND_INITIALIZER;
+    memcpy(&pool_mu, &mu, sizeof mu);
+    memcpy(&pool_work, &c1, sizeof c1);
+    memcpy(&pool_ended, &c2, sizeof c2);
+    queue_head = queue_tail = NULL;
+    pool_workers = pool_free = pool_queued = 0;
+    pool_gen++;
+}
+
+/* Takes pool_mu before a fork and gives it back on both sides, so that the child never
+ * inherits it held by a thread it does not have. */
+static void pool_prepare(void) { pthread_mutex_lock(&pool_mu); }
+static void pool_parent(void) { pthread_mutex_unlock(&pool_mu); }
+
+static void pool_init(void) { pthread_atfork(pool_prepare, pool_parent, pool_child); }
+
+static void *worker(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&pool_mu);
+    for (;;) {
+        while (!queue_head) {
+            pool_free++;
+            pthread_cond_wait(&pool_work, &pool_mu);
+            pool_free--;
+        }
+        kvt_task *t = queue_head;
+        queue_head = t->next;
+        if (!queue_head) queue_tail = NULL;
+        pool_queued--;
+        t->state = 1;
+        pthread_mutex_unlock(&pool_mu);
+        t->fn(t->arg);
+        pthread_mutex_lock(&pool_mu);
+        t->state = 2;
+        pthread_cond_broadcast(&pool_ended);
+    }
+    return NULL;
+}
+
+/* The workers this process's pool has started (they never end). */
+int kvt_workers(void) {
+    pthread_mutex_lock(&pool_mu);
+    int n = pool_workers;
+    pthread_mutex_unlock(&pool_mu);
+    return n;
+}
+
+/* Queue `t` (its fn and arg set); 0, or -1 if no worker is there to take it and none could be
+ * started (nothing queued then). */
+static int pool_submit(kvt_task *t) {
+    pthread_once(&pool_once, pool_init);
+    pthread_mutex_lock(&pool_mu);
+    if (pool_queued + 1 > pool_free && pool_workers < KVT_WORKERS) {
+        pthread_t th;
+        pthread_attr_t attr;
+        int ok = pthread_attr_init(&attr) == 0;
+        if (ok) {
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            ok = pthread_create(&th, &attr, worker, NULL) == 0;
+            pthread_attr_destroy(&attr);
+        }
+        if (ok) pool_workers++;
+        else if (!pool_workers) {
+            pthread_mutex_unlock(&pool_mu);
+            return -1;
+        }
+    }
+    t->next = NULL;
+    t->state = 0;
+    t->gen = pool_gen;
+    if (queue_tail) queue_tail->next = t;
+    else queue_head = t;
+    queue_tail = t;
+    pool_queued++;
+    pthread_cond_signal(&pool_work);
+    pthread_mutex_unlock(&pool_mu);
+    return 0;
+}
+
+/* Wait for `t` to end; with `withdraw`, a task not started yet is taken off the queue instead
+ * (state 3). Its final state (a task from before a fork: 3). */
+static int pool_finish(kvt_task *t, int withdraw) {
+    pthread_mutex_lock(&pool_mu);
+    if (t->gen != pool_gen) {
+        pthread_mutex_unlock(&pool_mu);
+        return 3;
+    }
+    if (withdraw && t->state == 0) {
+        kvt_task **at = &queue_head, *prev = NULL;
+        while (*at != t) {
+            prev = *at;
+            at = &(*at)->next;
+        }
+        *at = t->next;
+        if (queue_tail == t) queue_tail = prev;
+        pool_queued--;
+        t->state = 3;
+    }
+    while (t->state < 2) pthread_cond_wait(&pool_ended, &pool_mu);
+    int state = t->state;
+    pthread_mutex_unlock(&pool_mu);
+    return state;
+}
+
 static void *drain(void *arg) {
     kvt_job *job = arg;
     kvt_hasher h = {job->hash, job->stream, NULL, 0};
@@ -268,22 +402,24 @@ static void *drain(void *arg) {
     return NULL;
 }
 
-/* Every run once, on this thread and up to threads-1 helpers; 0, or -1 if no helper could be
- * started (the runs still all ran, on this thread). */
+/* Every run once, on this thread and up to threads-1 helpers (the library's workers); 0, or -1
+ * if no helper could be had (the runs still all ran, on this thread). */
 static int run_all(kvt_job *job, int threads) {
-    pthread_t helpers[KVT_THREADS];
+    kvt_task helpers[KVT_THREADS];
     int started = 0, ret = 0;
     if (threads > KVT_THREADS) threads = KVT_THREADS;
     if (threads > job->nruns) threads = job->nruns;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&helpers[started], NULL, drain, job) != 0) {
+        helpers[started].fn = drain;
+        helpers[started].arg = job;
+        if (pool_submit(&helpers[started]) != 0) {
             ret = -1;
             break;
         }
         started++;
     }
     drain(job);
-    for (int t = 0; t < started; t++) pthread_join(helpers[t], NULL);
+    for (int t = 0; t < started; t++) pool_finish(&helpers[t], 1); /* none left for a late one */
     return ret;
 }
 
@@ -361,37 +497,83 @@ int kvt_write(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pst
     if (parts_unhashable(pstart, stream)) return -3;
     kvt_recs recs = {rlen, pstart, paddr, plen};
     kvt_job job = {1, runs, nruns, recs, sums, NULL, hash, 0, 0, stream, NULL, 0, 0};
-    pthread_t helper;
-    if (threads >= 2 && nruns && pthread_create(&helper, NULL, hash_all, &job) == 0) {
+    kvt_task helper = {hash_all, &job, NULL, 0, 0};
+    if (threads >= 2 && nruns && pool_submit(&helper) == 0) {
         job.hashed = 1;
         drain(&job);
-        pthread_join(helper, NULL);
+        if (pool_finish(&helper, 1) == 3) hash_all(&job); /* not started: hashed here */
     } else {
         run_all(&job, 1);
     }
     return job.unhashed ? -2 : 0;
 }
 
-/* A write in flight: a thread of its own writes every run, in order (one writer a file), while
- * the caller hashes the records (kvt_hash_records) and prepares their journal entries and index
- * records; kvt_write_wait joins it. The caller keeps runs and every record's buffer alive until
- * then. Against kvt_write's arrangement (a helper hashes while the caller writes, the Python work
+/* A write in flight: a worker writes every run, in order (one writer a file), while the caller
+ * hashes the records (kvt_hash_records) and prepares their journal entries and index records;
+ * kvt_write_wait ends it. The caller keeps runs and every record's buffer alive until then.
+ * Against kvt_write's arrangement (a helper hashes while the caller writes, the Python work
  * after it), paired batch by batch on the H100 host, 64 KiB records: batches ~10% shorter on 2
  * CPUs (eight rounds, 5-26% each), ~6% on 16 (four rounds); alike on the dev VM, whose XXH3 is
- * 3-4 times faster (bench_storage.md run N, call 6). The store's default. */
+ * 3-4 times faster (bench_storage.md run N, call 6). The store's default.
+ *
+ * The journal: the caller hands its entries over while the runs are written (kvt_write_journal),
+ * and the worker writes them right after the runs if every run succeeded (then, where asked,
+ * fdatasync-s the segment and the journal, then stamps the segment's mtime), in the order the
+ * caller would: after the bytes they describe. A run that failed leaves the journal to the
+ * caller (its entries are cut to the records before the failed run). */
 typedef struct {
     kvt_job job;
-    pthread_t thread;
+    kvt_task task;
+    int given;        /* under pool_mu: 0 not yet, 1 given, 2 none coming */
+    int jfd, dfd, sync;
+    int64_t joff, jlen, time_ns;
+    uint8_t *jbuf;    /* a copy of the entries */
+    int32_t jdone;    /* out: the journal written (synced where asked) and the mtime set */
+    int32_t jerr;     /* out: the errno of the journal's write, sync or mtime (jdone 0) */
 } kvt_pending;
 
 static void *write_runs(void *arg) {
-    kvt_job *job = arg;
-    for (int r = 0; r < job->nruns; r++) one_run(job, NULL, &job->runs[r]); /* hashed: no hasher */
+    kvt_pending *p = arg;
+    kvt_job *job = &p->job;
+    int failed = 0;
+    for (int r = 0; r < job->nruns; r++) {
+        one_run(job, NULL, &job->runs[r]); /* hashed by the caller: no hasher */
+        failed |= job->runs[r].err != 0;
+    }
+    if (failed) return NULL;
+    pthread_mutex_lock(&pool_mu);
+    while (!p->given) pthread_cond_wait(&pool_ended, &pool_mu);
+    int given = p->given;
+    pthread_mutex_unlock(&pool_mu);
+    if (given != 1) return NULL;
+    int64_t done = 0;
+    while (done < p->jlen) {
+        ssize_t got = pwrite(p->jfd, p->jbuf + done, (size_t)(p->jlen - done), p->joff + done);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) {
+            p->jerr = got < 0 ? errno : EIO;
+            return NULL;
+        }
+        done += got;
+    }
+    if (p->sync && (fdatasync(p->dfd) != 0 || fdatasync(p->jfd) != 0)) {
+        p->jerr = errno;
+        return NULL;
+    }
+    struct timespec ts[2];
+    ts[0].tv_sec = ts[1].tv_sec = p->time_ns / 1000000000;
+    ts[0].tv_nsec = ts[1].tv_nsec = p->time_ns % 1000000000;
+    if (futimens(p->dfd, ts) != 0) {
+        p->jerr = errno;
+        return NULL;
+    }
+    p->jdone = 1;
     return NULL;
 }
 
-/* The write started (a handle for kvt_write_wait), or NULL if no thread could be started
- * (nothing written then). Records as at the top of this file; nothing is hashed here. */
+/* The write started (a handle for kvt_write_journal and kvt_write_wait), or NULL if no worker
+ * could take it (nothing written then). Records as at the top of this file; nothing is hashed
+ * here. */
 void *kvt_write_start(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pstart,
                       const uint64_t *paddr, const uint64_t *plen) {
     kvt_pending *p = calloc(1, sizeof *p);
@@ -399,17 +581,54 @@ void *kvt_write_start(kvt_run *runs, int nruns, const uint64_t *rlen, const int6
     kvt_recs recs = {rlen, pstart, paddr, plen};
     kvt_job job = {1, runs, nruns, recs, NULL, NULL, NULL, 0, 0, NULL, NULL, 1, 0};
     p->job = job;
-    if (pthread_create(&p->thread, NULL, write_runs, &p->job) != 0) {
+    p->task.fn = write_runs;
+    p->task.arg = p;
+    if (pool_submit(&p->task) != 0) {
         free(p);
         return NULL;
     }
     return p;
 }
 
-/* Wait for a started write to end (each run's err set) and free its handle. */
-void kvt_write_wait(void *handle) {
+/* Hand over the journal entries (`len` bytes, copied) for the worker to write at `offset` of
+ * `jfd` after the runs, then with `sync` fdatasync `dfd` (the segment) and `jfd`, then set
+ * `dfd`'s times to time_ns; 0, or -1 (no memory for the copy: the caller writes them). Once per
+ * write, before kvt_write_wait. */
+int kvt_write_journal(void *handle, int jfd, int64_t offset, const uint8_t *entries, int64_t len,
+                      int sync, int dfd, int64_t time_ns) {
     kvt_pending *p = handle;
-    pthread_join(p->thread, NULL);
+    uint8_t *copy = malloc(len ? (size_t)len : 1);
+    if (copy) memcpy(copy, entries, (size_t)len);
+    pthread_mutex_lock(&pool_mu);
+    if (copy) {
+        p->jbuf = copy;
+        p->jfd = jfd;
+        p->joff = offset;
+        p->jlen = len;
+        p->sync = sync;
+        p->dfd = dfd;
+        p->time_ns = time_ns;
+    }
+    p->given = copy ? 1 : 2;
+    pthread_cond_broadcast(&pool_ended);
+    pthread_mutex_unlock(&pool_mu);
+    return copy ? 0 : -1;
+}
+
+/* Wait for a started write to end (each run's err set) and free its handle; out (or NULL):
+ * jdone, jerr (kvt_pending's). */
+void kvt_write_wait(void *handle, int32_t *out) {
+    kvt_pending *p = handle;
+    pthread_mutex_lock(&pool_mu);
+    if (!p->given) p->given = 2; /* no journal coming: the worker need not wait for one */
+    pthread_cond_broadcast(&pool_ended);
+    pthread_mutex_unlock(&pool_mu);
+    pool_finish(&p->task, 0);
+    if (out) {
+        out[0] = p->jdone;
+        out[1] = p->jerr;
+    }
+    free(p->jbuf);
     free(p);
 }
 

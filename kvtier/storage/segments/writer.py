@@ -6,17 +6,18 @@ name per write lane (``Lane``; ``Writer`` splits a batch among the lanes). A lan
 laid out back to back at the end of its active segment and cut into runs (up to ``io.RUN_BYTES``);
 each run is written with one ``pwritev`` of the caller's page buffers (pages adjacent in memory
 as one iovec) and every record checksummed. In the C loops (``native``) with IO threads and one
-lane, a C thread writes every run while the caller hashes the records and makes the share's
-journal entries and index records, then waits for the write; otherwise one C call hashes and
-writes (a helper hashes while the caller writes). The C loops take pages of several parts (a
+lane, one of the library's worker threads writes every run while the caller hashes the records
+and makes the share's journal entries (handed to the worker, which writes them right after the
+runs if all succeeded, then stamps the segment) and index records, then waits for the write;
+otherwise one C call hashes and writes (a helper hashes while the caller writes). The C loops take pages of several parts (a
 page_first KV page's K and V ranges, hashed as one stream) where the binding has the streaming
 XXH3 calls (``native.takes``). Else, in the Python loops, each run is hashed
 (``PageViews.checksums``, which brings it into the core's cache) and written by the caller's
 thread or an IO thread, whichever takes it (``io.run_shared``), a record larger than a run in
 pieces of a run's size. Then the journal entries of the records before the first failed run
 (entries made beforehand are cut to them), packed for the whole batch at once
-(``encode_entries``), follow with one ``pwrite``; with ``fsync`` both files are
-``fdatasync``-ed once per batch. Records of one size (a batch's usually are) are laid out in
+(``encode_entries``), follow with one ``pwrite`` (the worker's, or the caller's after a failed
+run); with ``fsync`` both files are ``fdatasync``-ed once per batch. Records of one size (a batch's usually are) are laid out in
 closed form (``layout``). A segment is preallocated when created, truncated to its records when
 the writer moves on (or closes), and never written again.
 
@@ -187,7 +188,16 @@ class Lane:
         a ``PageViews``, which makes them in the IO thread that writes the record); ``time_ns``:
         the journal time (0: now); ``helpers``: IO threads that share its runs."""
         counts = parts.counts() if isinstance(parts, PageViews) else [len(p) for p in parts]
-        floor = 0 if time_ns else self._after_known(keys)
+        floor: list[int] = []  # past every known record of ``keys``, found at first need
+
+        def stamp() -> int:
+            """The journal time of the records appended next."""
+            if time_ns:
+                return time_ns
+            if not floor:
+                floor.append(self._after_known(keys))
+            return max(time.time_ns(), floor[0])
+
         m = len(keys)
         ok = [False] * m
         j = 0
@@ -204,8 +214,7 @@ class Lane:
                 act = self._roll(need)
                 if act is None:
                     break  # no room, no lock, or no disk: the rest of the batch fails
-            now = time_ns or max(time.time_ns(), floor)
-            k = self._append_some(act, keys, parts, lengths, counts, j, now, ok, uniform, helpers)
+            k = self._append_some(act, keys, parts, lengths, counts, j, stamp, ok, uniform, helpers)
             j = k
         return ok
 
@@ -217,14 +226,15 @@ class Lane:
         lengths: list[int],
         counts: Sequence[int],
         j: int,
-        now: int,
+        stamp: Callable[[], int],
         ok: list[bool],
         uniform: bool,
         helpers: int,
     ) -> int:
         """Append records ``j..`` while they fit in ``act``; the first record not taken.
-        ``uniform``: every record has one length, part count and key length; ``helpers``: IO
-        threads that share its runs."""
+        ``stamp()``: their journal time (asked once the write has started, where it starts
+        early); ``uniform``: every record has one length, part count and key length;
+        ``helpers``: IO threads that share its runs."""
         k, offsets, runs, pos = layout(
             act.end, act.size, act.jcap - act.jend, keys, lengths, counts, j, uniform
         )
@@ -271,6 +281,7 @@ class Lane:
             lib = None  # pages of several parts, and no streaming XXH3 to hash them in C
         trusted = self._config.verify == "once"
         journal = b""
+        journaled, journal_err = False, 0  # whether the write's worker wrote the journal
         locs: list | None = None
         if lib is not None:  # the same runs, hashes and writes in the C loops
             table = native.make_runs(
@@ -281,27 +292,33 @@ class Lane:
             )
             size = np.asarray(lengths[j:k], dtype=np.uint64)
             addr = native.buffers(views, range(j, k))  # type: ignore[arg-type]
-            # With a helper: a C thread writes every run (one writer a file) while this one
-            # hashes, then makes the journal entries and index records of the whole share,
-            # which are used as they are unless a run fails. Without a thread (none could be
-            # started), one call: a helper hashes while this thread writes (native_io.c).
+            # With a helper: a C worker writes every run (one writer a file) while this one
+            # hashes, then makes the journal entries (the worker writes them after the runs)
+            # and index records of the whole share, which are used as they are unless a run
+            # fails. Without a worker (none could be started), one call: a helper hashes while
+            # this thread writes (native_io.c).
             pending = native.write_start(lib, table, addr, size) if helpers else None
             if pending is None:
                 got = native.write(lib, table, addr, size, helpers + 1).tolist()
+                now = stamp()
             else:
                 try:
+                    now = stamp()  # under the write
                     hashed = native.hash_records(lib, addr, size)
                     got = hashed.tolist()
                     xxh3 = [XXH3] * (k - j)
                     journal = native.encode_entries(  # the arrays as they are, no copies
                         lib, keys[j:k], offsets, size, now, xxh3, hashed
                     )
+                    # The worker writes the journal right after the runs if they all succeed.
+                    pending.journal(act.jfd, act.jend, journal, self._config.fsync, fd, now)
                     locs = self._index.new_locs(
                         act.seg, offsets, lengths[j:k], act.seq, now, xxh3, got, trusted
                     )
                 finally:
-                    pending.wait()  # the buffers are the caller's again only after this
-            for r in np.flatnonzero(table["err"]).tolist():
+                    # The buffers are the caller's again only after this.
+                    journaled, journal_err = pending.wait()
+            for r in np.flatnonzero(table["err"]).tolist() if table["err"].any() else ():
                 log.warning(
                     "segment store %s: append to %s failed: %s",
                     self._space.root,
@@ -312,6 +329,7 @@ class Lane:
         else:
             jobs = [job(r) for r in range(len(runs))]
             run_shared(self._pool() if helpers else None, helpers, jobs)
+            now = stamp()
         # Only records before the first failed run are journaled; the segment takes no more.
         # Their entries are packed here for the whole batch at once.
         last = min(failed) if failed else len(runs)
@@ -332,12 +350,15 @@ class Lane:
                 keys[j:stored], offsets[:n], lengths[j:stored], now, algorithms, checksums
             )
         try:
-            if journal:
-                write_all(act.jfd, [journal], act.jend)  # after the bytes it describes
-            if self._config.fsync:
-                os.fdatasync(fd)
-                os.fdatasync(act.jfd)
-            os.utime(fd, ns=(now, now))  # the shared LRU clock
+            if journal_err:  # the worker's journal step (below, as the worker does it) failed
+                raise OSError(journal_err, os.strerror(journal_err))
+            if not journaled:
+                if journal:
+                    write_all(act.jfd, [journal], act.jend)  # after the bytes it describes
+                if self._config.fsync:
+                    os.fdatasync(fd)
+                    os.fdatasync(act.jfd)
+                os.utime(fd, ns=(now, now))  # the shared LRU clock
         except OSError as e:
             # The journal may now end in a partial entry, which ends it for readers: this
             # segment takes no more (its records journaled before stay).
