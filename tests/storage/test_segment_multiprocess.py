@@ -31,10 +31,10 @@ SHARED = KEYS[: BATCH * BATCHES]  # both writers write these, in the same order
 OWN = [KEYS[(w + 1) * BATCH * BATCHES : (w + 2) * BATCH * BATCHES] for w in range(2)]
 
 WRITER = """
-import sys, torch
-from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+import sys, numpy as np, torch
+from kvtier.storage import Namespace, PageSpans, PoolTransfer, create_backend, page_hashes
 
-root, me, capacity = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+root, me, capacity, form = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 B, N, PAGE = {batch}, {batches}, {page}
 K = page_hashes(range(4 * 3 * B * N), Namespace("segment-mp", "bfloat16", 4, "page_first"))
 shared, own = K[: B * N], K[(me + 1) * B * N : (me + 2) * B * N]
@@ -43,14 +43,37 @@ def page(h):
     g = torch.Generator().manual_seed(int(h[:15], 16))
     return torch.randint(0, 256, (PAGE,), dtype=torch.uint8, generator=g)
 
+def as_spans(pages):
+    # Two parts a page, as a page_first KV host pool holds them: page i's first half at place i
+    # of the pool's first half, its second half at place i of the second half.
+    half, n = PAGE // 2, len(pages)
+    pool = torch.empty(2 * n * half, dtype=torch.uint8)
+    first = np.arange(n, dtype=np.int64) * half
+    for i, p in enumerate(pages):
+        pool[i * half : (i + 1) * half] = p[:half]
+        pool[(n + i) * half : (n + i + 1) * half] = p[half:]
+    return pool, PageSpans(pool, np.stack([first, first + n * half], axis=1), (half, half))
+
+def pages_of(pool, n):
+    half = PAGE // 2
+    return [torch.cat([pool[i * half : (i + 1) * half], pool[(n + i) * half : (n + i + 1) * half]])
+            for i in range(n)]
+
 b = create_backend("file", root=root, segment_bytes={segment},
                    capacity_bytes=None if capacity == "none" else int(capacity))
 for n in range(N):
     # Half a batch of shared keys, half of own: interleaved so that both writers race on them.
     keys = shared[n * B : n * B + B // 2] + own[n * B : n * B + B // 2]
-    assert b.set([PoolTransfer("kv", keys, [page(h) for h in keys])]).all_ok, n
-    out = [torch.empty(PAGE, dtype=torch.uint8) for _ in keys]
-    got = b.get([PoolTransfer("kv", keys, out)]).ok["kv"]
+    if form == "tensors":
+        assert b.set([PoolTransfer("kv", keys, [page(h) for h in keys])]).all_ok, n
+        out = [torch.empty(PAGE, dtype=torch.uint8) for _ in keys]
+        got = b.get([PoolTransfer("kv", keys, out)]).ok["kv"]
+    else:
+        _, spans = as_spans([page(h) for h in keys])
+        assert b.set([PoolTransfer("kv", keys, spans)]).all_ok, n
+        back, into = as_spans([torch.full((PAGE,), 0xEE, dtype=torch.uint8) for _ in keys])
+        got = b.get([PoolTransfer("kv", keys, into)]).ok["kv"]
+        out = pages_of(back, len(keys))
     # Under a root capacity the other writer may evict any page at any time (a shared key this
     # set found stored may sit in the other writer's oldest segment): only unbounded roots must
     # serve the whole batch at once. Whatever is served is right.
@@ -88,10 +111,16 @@ def verify_all(reader: SegmentBackend, keys: list[str], page: int = PAGE) -> lis
 # 16 KiB pages go through one write lane per writer; 128 KiB pages through two (each batch
 # split between two segments of that writer, appended by two threads) on the unbounded root,
 # and through one under the capacity (four segments: two lanes' would take half of it).
-@pytest.mark.parametrize("page", [PAGE, LANE_MIN_RECORD], ids=["16KiB", "128KiB"])
+# "spans2": the writers' pages as a page_first KV pool's (two parts each, as PageSpans), which
+# the reader reads back as one tensor a page.
+@pytest.mark.parametrize(
+    "page,form",
+    [(PAGE, "tensors"), (LANE_MIN_RECORD, "tensors"), (PAGE, "spans2")],
+    ids=["16KiB", "128KiB", "16KiB-spans2"],
+)
 @pytest.mark.parametrize("capacity", [None, 4], ids=["unbounded", "capacity"])
 def test_two_writers_and_a_reader_share_one_root(
-    tmp_path: Path, capacity: int | None, page: int
+    tmp_path: Path, capacity: int | None, page: int, form: str
 ) -> None:
     segment = 4 * BATCH * (RECORD_HEAD + page)
     capacity = None if capacity is None else capacity * segment
@@ -105,7 +134,7 @@ def test_two_writers_and_a_reader_share_one_root(
     cap_arg = "none" if capacity is None else str(capacity)
     writers = [
         subprocess.Popen(
-            [sys.executable, str(script), str(root), str(w), cap_arg],
+            [sys.executable, str(script), str(root), str(w), cap_arg, form],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
