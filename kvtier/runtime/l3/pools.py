@@ -3,13 +3,13 @@
 A page object of a pool is what one L3 key stores:
 
     pool    host pool       page object                          read/written through
-    kv      HostPool        one page, every layer, K then V      page_views (page_first*), or
+    kv      HostPool        one page, every layer, K then V      page_spans (page_first*), or
                             (MLA: the latent)                    pack/unpack via staging
     <car>   HostPool        one anchor page of a sidecar         same; its host page ids are
                             (DSA indexer: keys then scales),     its anchor's (slot // P)
                             every layer it holds
     swa     HostPool        same as kv, for the SWA layers       same as kv
-    mamba   MambaHostPool   one state slot (flat)                slot_views
+    mamba   MambaHostPool   one state slot (flat)                slot_spans
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class L3Pool:
     def write_views(self, pages: torch.Tensor) -> list | PageSpans:
         """Page buffers holding ``pages``' objects (packed into staging if needed)."""
         if self.is_mamba:
-            return self.host.slot_views(pages)
+            return self.host.slot_spans(pages)
         if not self.staged:
             return self.host.page_spans(pages)
         rows = self.host.pack(pages, self.staging())
@@ -109,7 +109,7 @@ class L3Pool:
     def read_views(self, pages: torch.Tensor) -> list | PageSpans:
         """Page buffers to read ``pages``' objects into; call ``finish_read`` after."""
         if self.is_mamba:
-            return self.host.slot_views(pages)
+            return self.host.slot_spans(pages)
         if not self.staged:
             return self.host.page_spans(pages)
         return self._rows(pages.numel())

@@ -186,6 +186,38 @@ def make_mamba(device, gen, size=6):
     return pool
 
 
+def test_mamba_slot_spans_name_the_slot_views_bytes_and_refuse_bad_slots(tmp_path, device):
+    """``slot_spans`` gives the bytes ``slot_views`` does (the tier's L3 form for Mamba pages),
+    round trips through the file store, and refuses slots outside the pool or of a float dtype,
+    naming the argument."""
+    from kvtier.storage import PageSpans, PoolTransfer, create_backend
+
+    gen = torch.Generator().manual_seed(12)
+    pool = make_mamba(device, gen)
+    host = MambaHostPool(pool, size=6)
+    fill_random(host.tensor, gen)
+    slots = torch.tensor([4, 0, 5])
+    spans = host.slot_spans(slots)
+    assert isinstance(spans, PageSpans) and len(spans) == 3
+    for i, view in enumerate(host.slot_views(slots)):
+        (part,) = spans.page(i)
+        assert part.data_ptr() == view.data_ptr() and torch.equal(part, view)
+    store = create_backend("file", root=tmp_path / "l3")
+    keys = [f"{i:064x}" for i in range(3)]
+    assert store.set([PoolTransfer("mamba", keys, spans)]).all_ok
+    want = host.tensor[[4, 0, 5]].clone()
+    host.tensor.fill_(0xA5)
+    assert store.get([PoolTransfer("mamba", keys, host.slot_spans(torch.tensor([1, 2, 3])))]).all_ok
+    assert torch.equal(host.tensor[[1, 2, 3]], want)
+    assert bool((host.tensor[[0, 4, 5]] == 0xA5).all()), "untouched host slots changed"
+    store.close()
+    for bad in (torch.tensor([0, 6]), torch.tensor([-1])):
+        with pytest.raises(ValueError, match="slots: slot"):
+            host.slot_spans(bad)
+    with pytest.raises(TypeError, match="slots"):
+        host.slot_spans(torch.tensor([1.0]))
+
+
 def test_mamba_flat_slot_format_and_round_trips(device):
     gen = torch.Generator().manual_seed(11)
     pool = make_mamba(device, gen)
