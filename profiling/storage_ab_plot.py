@@ -3,8 +3,9 @@ round by round (the ``old_N.txt`` / ``new_N.txt`` tables it writes).
 
     python3 -m profiling.storage_ab_plot DIR [DIR ...] --out results/x.png [--title T]
 
-Each DIR is one ``storage_ab.sh`` output folder (one panel); rows without a % of raw (fsync,
-cold reads unless ``--cold``) are left out.
+Each DIR is one ``storage_ab.sh`` output folder (one panel), or a folder of other tables (say
+``gpu_host_storage.sh``'s ``pinned.txt``, ``all_cpus.txt``...: one series each); fsync rows, and
+cold reads unless ``--cold``, are left out.
 """
 
 from __future__ import annotations
@@ -31,13 +32,27 @@ def cells(path: Path, cold: bool) -> dict[str, int]:
 
 
 def rounds(folder: Path, cold: bool) -> list[tuple[str, dict[str, int]]]:
-    """(label, cells) per table in ``folder``, in the order run: old 1, new 1, old 2, ..."""
+    """(label, cells) per table in ``folder``, in the order run: old 1, new 1, old 2, ...; a
+    folder of other tables (``gpu_host_storage.sh``'s) gives one series per table, by name."""
     found = []
     for p in folder.glob("*_*.txt"):
         m = re.fullmatch(r"(old|new)_(\d+)\.txt", p.name)
         if m:
             found.append((int(m.group(2)), m.group(1) != "old", p))
+    if not found:
+        tables = [(p.stem, cells(p, cold)) for p in sorted(folder.glob("*.txt"))]
+        return [(name, c) for name, c in tables if c]
     return [(f"{'new' if n else 'old'} {r}", cells(p, cold)) for r, n, p in sorted(found)]
+
+
+def _paired(label: str) -> bool:
+    return label.startswith(("old ", "new "))
+
+
+def _colour(label: str, i: int) -> str:
+    if _paired(label):
+        return "tab:blue" if label.startswith("new") else "tab:gray"
+    return f"C{i}"
 
 
 def main() -> None:
@@ -65,8 +80,10 @@ def main() -> None:
                 [c.get(n, 0) for n in names],
                 width,
                 label=label,
-                color=("tab:blue" if label.startswith("new") else "tab:gray"),
-                alpha=0.55 + 0.45 * (i // 2) / max(1, (len(runs) - 1) // 2),
+                color=_colour(label, i),
+                alpha=0.55 + 0.45 * (i // 2) / max(1, (len(runs) - 1) // 2)
+                if _paired(label)
+                else 1,
             )
         for target in (80, 90):
             ax.axhline(target, color="tab:red", lw=0.8, ls="--")
