@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvtier.metrics import TierMetrics
-from kvtier.storage import StorageBackend, create_backend
+from kvtier.storage import PoolTransfer, StorageBackend, create_backend
 from kvtier.storage.segments import native
 
 MASTER_START_TIMEOUT_S = 20.0
@@ -229,3 +229,19 @@ def native_library():
 def python_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     """The segment store's batch loops in Python (a test that hooks one of their calls)."""
     monkeypatch.setattr(native, "library", lambda: None)
+
+
+def assert_only_the_later_batch_served(b: StorageBackend, root, keys: list[str], pages) -> None:
+    """A batch of ``keys[:n]`` failed and one of ``keys[n:2n]`` was stored, both of ``pages``
+    (n of 64 KiB): ``b`` and a fresh store on ``root`` serve the later batch's pages exactly and
+    none of the failed one's. Closes both."""
+    n = len(pages)
+    fresh = create_backend("file", root=root)
+    for store in (b, fresh):
+        out = [torch.full((64 << 10,), 0xEE, dtype=torch.uint8) for _ in range(2 * n)]
+        assert (
+            store.get([PoolTransfer("kv", keys[: 2 * n], out)]).ok["kv"] == [False] * n + [True] * n
+        )
+        assert all(torch.equal(o, p) for o, p in zip(out[n:], pages))
+    b.close()
+    fresh.close()

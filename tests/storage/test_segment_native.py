@@ -27,7 +27,7 @@ from kvtier.storage.segments import format as fmt
 from kvtier.storage.segments import native
 from kvtier.storage.segments.io import RUN_BYTES
 from tests.children import child_env
-from tests.storage.conftest import native_library
+from tests.storage.conftest import assert_only_the_later_batch_served, native_library
 
 NS = Namespace("segment-native", "bfloat16", 4, "page_first")
 H = page_hashes(range(4096), NS)
@@ -424,13 +424,7 @@ def test_a_put_that_fails_while_its_write_thread_runs_waits_for_it_and_journals_
     assert waited == [True], "the write was waited for before the batch failed"
     monkeypatch.undo()
     assert b.set([PoolTransfer("kv", H[8:16], pages)]).all_ok
-    fresh = create_backend("file", root=root)
-    for store in (b, fresh):
-        out = [torch.full((64 << 10,), 0xEE, dtype=torch.uint8) for _ in range(16)]
-        assert store.get([PoolTransfer("kv", H[:16], out)]).ok["kv"] == [False] * 8 + [True] * 8
-        assert all(torch.equal(o, p) for o, p in zip(out[8:], pages))
-    b.close()
-    fresh.close()
+    assert_only_the_later_batch_served(b, root, H, pages)
 
 
 def test_every_waiter_of_a_write_returns_after_it(tmp_path: Path, lib) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import native
-from tests.storage.conftest import native_library
+from tests.storage.conftest import assert_only_the_later_batch_served, native_library
 
 NS = Namespace("segment-workers", "bfloat16", 4, "page_first")
 H = page_hashes(range(4096), NS)  # 1,024 pages of 4 tokens
@@ -124,13 +124,7 @@ def test_a_journal_the_worker_could_not_write_fails_the_batch_and_the_segment(
     names = sorted(p.name for p in root.glob("*.kvs"))
     # The failed segment took no more records, and holding none journaled it was dropped.
     assert len(names) == 1 and names[0].endswith("-00000002.kvs"), names
-    fresh = create_backend("file", root=root)
-    for store in (b, fresh):
-        out = [torch.full((64 << 10,), 0xEE, dtype=torch.uint8) for _ in range(16)]
-        assert store.get([PoolTransfer("kv", H[:16], out)]).ok["kv"] == [False] * 8 + [True] * 8
-        assert all(torch.equal(o, p) for o, p in zip(out[8:], pages))
-    b.close()
-    fresh.close()
+    assert_only_the_later_batch_served(b, root, H, pages)
 
 
 def test_workers_are_kept_across_batches(tmp_path: Path, lib) -> None:
