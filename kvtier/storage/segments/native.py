@@ -394,6 +394,10 @@ def _open(target: Path, hash_at: int) -> object | None:
     lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, vp, vp, i32, vp, vp)
     lib.kvt_write_start.restype = vp
     lib.kvt_write_start.argtypes = (vp, i32, vp, vp, vp, vp)
+    lib.kvt_write_prepare.restype = vp
+    lib.kvt_write_prepare.argtypes = (vp, i32, vp, vp, vp, vp)
+    lib.kvt_write_submit.restype = i32
+    lib.kvt_write_submit.argtypes = (vp,)
     lib.kvt_workers.restype = i32
     lib.kvt_workers.argtypes = ()
     lib.kvt_write_journal.restype = i32
@@ -407,6 +411,8 @@ def _open(target: Path, hash_at: int) -> object | None:
         i32,
         ctypes.c_int64,
     )
+    lib.kvt_write_ended.restype = i32
+    lib.kvt_write_ended.argtypes = (vp,)
     lib.kvt_write_wait.restype = None
     lib.kvt_write_wait.argtypes = (vp, vp)
     lib.kvt_hash_records.restype = i32
@@ -681,7 +687,7 @@ class Pending:
     which the interrupted frame's unwinding does before it releases the caller's buffers.
 
     ``journal`` hands the worker the records' journal entries, to write after the runs if every
-    run succeeded; ``wait`` then says whether it did."""
+    run succeeded and they came before the runs ended; ``wait`` then says whether it did."""
 
     __slots__ = ("__weakref__", "_done", "_ended", "_keep", "_handle", "_lib", "_out")
 
@@ -695,16 +701,24 @@ class Pending:
 
     def journal(
         self, jfd: int, offset: int, entries: bytes, sync: bool, fd: int, time_ns: int
-    ) -> None:
-        """Have the worker write ``entries`` at ``offset`` of ``jfd`` once every run is written
-        (then, with ``sync``, ``fdatasync`` ``fd`` and ``jfd``; then set ``fd``'s times to
-        ``time_ns``). At most once, before ``wait``; with no memory for the copy the worker
-        does not, and ``wait`` says so."""
+    ) -> bool:
+        """Hand the worker ``entries`` to write at ``offset`` of ``jfd`` once every run is
+        written (then, with ``sync``, ``fdatasync`` ``fd`` and ``jfd``; then set ``fd``'s times
+        to ``time_ns``); whether it took them. It does not once its runs have ended (it never
+        waits for them), nor without memory for their copy, nor after ``wait``: the caller
+        writes them then. At most once; ``wait`` says whether the worker wrote them."""
         with self._done:
-            if self._ended.alive:
-                self._lib.kvt_write_journal(
-                    self._handle, jfd, offset, entries, len(entries), int(sync), fd, time_ns
-                )
+            if not self._ended.alive:
+                return False
+            got = self._lib.kvt_write_journal(
+                self._handle, jfd, offset, entries, len(entries), int(sync), fd, time_ns
+            )
+        return got == 0
+
+    def ended(self) -> bool:
+        """Whether the worker has ended (without waiting for it)."""
+        with self._done:
+            return not self._ended.alive or bool(self._lib.kvt_write_ended(self._handle))
 
     def wait(self) -> tuple[bool, int]:
         """End the write: (whether the worker wrote the journal, stamped and synced as asked;
@@ -715,15 +729,32 @@ class Pending:
         return bool(self._out[0]), int(self._out[1])
 
 
-def write_start(lib, runs: np.ndarray, buffers: Buffers, lengths: np.ndarray) -> Pending | None:
+def write_start(
+    lib,
+    runs: np.ndarray,
+    buffers: Buffers,
+    lengths: np.ndarray,
+    journal: tuple | None = None,
+) -> Pending | None:
     """Start writing ``runs`` (records of ``lengths`` bytes, uint64, at ``buffers``: their
     addresses, uint64, or their ``Parts``) on one of the library's worker threads, unhashed;
-    None if no worker could take it (nothing written)."""
+    None if no worker could take it (nothing written). ``journal``: ``Pending.journal``'s
+    arguments, handed over before the worker starts (so it takes them whenever its runs
+    succeed; the store hands them over later, when they are made)."""
     pstart, paddr, plen = _records(buffers, lengths)
-    handle = lib.kvt_write_start(
-        runs.ctypes.data, len(runs), lengths.ctypes.data, pstart, paddr, plen
-    )
-    return None if handle is None else Pending(lib, handle, (runs, buffers, lengths))
+    args = (runs.ctypes.data, len(runs), lengths.ctypes.data, pstart, paddr, plen)
+    if journal is None:
+        handle = lib.kvt_write_start(*args)
+        return None if handle is None else Pending(lib, handle, (runs, buffers, lengths))
+    handle = lib.kvt_write_prepare(*args)
+    if handle is None:
+        return None
+    jfd, offset, entries, sync, fd, time_ns = journal
+    # Not taken only without memory for the copy: the worker then ends without it.
+    lib.kvt_write_journal(handle, jfd, offset, entries, len(entries), int(sync), fd, time_ns)
+    if lib.kvt_write_submit(handle) != 0:
+        return None  # the handle is freed
+    return Pending(lib, handle, (runs, buffers, lengths))
 
 
 def hash_records(lib, buffers: Buffers, lengths: np.ndarray) -> np.ndarray:

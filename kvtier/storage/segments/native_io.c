@@ -278,7 +278,7 @@ typedef struct kvt_task {
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER; /* a task queued */
-static pthread_cond_t pool_ended = PTHREAD_COND_INITIALIZER; /* a task ended (or a journal given) */
+static pthread_cond_t pool_ended = PTHREAD_COND_INITIALIZER; /* a task ended */
 static kvt_task *queue_head, *queue_tail;
 static int pool_workers, pool_free, pool_queued;
 static unsigned pool_gen;
@@ -519,12 +519,15 @@ int kvt_write(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pst
  * The journal: the caller hands its entries over while the runs are written (kvt_write_journal),
  * and the worker writes them right after the runs if every run succeeded (then, where asked,
  * fdatasync-s the segment and the journal, then stamps the segment's mtime), in the order the
- * caller would: after the bytes they describe. A run that failed leaves the journal to the
- * caller (its entries are cut to the records before the failed run). */
+ * caller would: after the bytes they describe. The worker never waits for them: entries not
+ * there when the runs end, or a run that failed, leave the journal to the caller (its entries
+ * cut to the records before the failed run). So a worker is free once its runs are written,
+ * whatever the caller does (a write never ended, held by a traceback, holds no worker). */
 typedef struct {
     kvt_job job;
     kvt_task task;
-    int given;        /* under pool_mu: 0 not yet, 1 given, 2 none coming */
+    int given;        /* under pool_mu: 0 not yet, 1 given (taken by the worker once its runs
+                         succeed), 3 too late (the worker ended without them) */
     int jfd, dfd, sync;
     int64_t joff, jlen, time_ns;
     uint8_t *jbuf;    /* a copy of the entries */
@@ -540,12 +543,11 @@ static void *write_runs(void *arg) {
         one_run(job, NULL, &job->runs[r]); /* hashed by the caller: no hasher */
         failed |= job->runs[r].err != 0;
     }
-    if (failed) return NULL;
     pthread_mutex_lock(&pool_mu);
-    while (!p->given) pthread_cond_wait(&pool_ended, &pool_mu);
     int given = p->given;
+    if (given != 1) p->given = 3; /* any entries handed over from now on are the caller's */
     pthread_mutex_unlock(&pool_mu);
-    if (given != 1) return NULL;
+    if (failed || given != 1) return NULL;
     int64_t done = 0;
     while (done < p->jlen) {
         ssize_t got = pwrite(p->jfd, p->jbuf + done, (size_t)(p->jlen - done), p->joff + done);
@@ -571,11 +573,10 @@ static void *write_runs(void *arg) {
     return NULL;
 }
 
-/* The write started (a handle for kvt_write_journal and kvt_write_wait), or NULL if no worker
- * could take it (nothing written then). Records as at the top of this file; nothing is hashed
- * here. */
-void *kvt_write_start(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pstart,
-                      const uint64_t *paddr, const uint64_t *plen) {
+/* A write of the runs, not started yet (kvt_write_submit starts it), or NULL (no memory).
+ * Records as at the top of this file; nothing is hashed here. */
+void *kvt_write_prepare(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pstart,
+                        const uint64_t *paddr, const uint64_t *plen) {
     kvt_pending *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     kvt_recs recs = {rlen, pstart, paddr, plen};
@@ -583,24 +584,43 @@ void *kvt_write_start(kvt_run *runs, int nruns, const uint64_t *rlen, const int6
     p->job = job;
     p->task.fn = write_runs;
     p->task.arg = p;
-    if (pool_submit(&p->task) != 0) {
-        free(p);
-        return NULL;
-    }
     return p;
+}
+
+/* Start a prepared write on a worker (a handle for kvt_write_journal and kvt_write_wait); 0, or
+ * -1 if no worker could take it (nothing written; the handle is freed). */
+int kvt_write_submit(void *handle) {
+    kvt_pending *p = handle;
+    if (pool_submit(&p->task) != 0) {
+        free(p->jbuf);
+        free(p);
+        return -1;
+    }
+    return 0;
+}
+
+/* The write started (kvt_write_prepare, then kvt_write_submit), or NULL if no worker could take
+ * it (nothing written then). */
+void *kvt_write_start(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pstart,
+                      const uint64_t *paddr, const uint64_t *plen) {
+    void *p = kvt_write_prepare(runs, nruns, rlen, pstart, paddr, plen);
+    return p && kvt_write_submit(p) == 0 ? p : NULL;
 }
 
 /* Hand over the journal entries (`len` bytes, copied) for the worker to write at `offset` of
  * `jfd` after the runs, then with `sync` fdatasync `dfd` (the segment) and `jfd`, then set
- * `dfd`'s times to time_ns; 0, or -1 (no memory for the copy: the caller writes them). Once per
- * write, before kvt_write_wait. */
+ * `dfd`'s times to time_ns; 0 (handed over: the worker writes them if its runs succeed), 1 (too
+ * late: the worker has ended) or -1 (no memory for the copy); on 1 and -1 the caller writes
+ * them. Once per write, before kvt_write_wait. */
 int kvt_write_journal(void *handle, int jfd, int64_t offset, const uint8_t *entries, int64_t len,
                       int sync, int dfd, int64_t time_ns) {
     kvt_pending *p = handle;
     uint8_t *copy = malloc(len ? (size_t)len : 1);
-    if (copy) memcpy(copy, entries, (size_t)len);
+    if (!copy) return -1;
+    memcpy(copy, entries, (size_t)len);
     pthread_mutex_lock(&pool_mu);
-    if (copy) {
+    int late = p->given == 3;
+    if (!late) {
         p->jbuf = copy;
         p->jfd = jfd;
         p->joff = offset;
@@ -608,21 +628,26 @@ int kvt_write_journal(void *handle, int jfd, int64_t offset, const uint8_t *entr
         p->sync = sync;
         p->dfd = dfd;
         p->time_ns = time_ns;
+        p->given = 1;
     }
-    p->given = copy ? 1 : 2;
-    pthread_cond_broadcast(&pool_ended);
     pthread_mutex_unlock(&pool_mu);
-    return copy ? 0 : -1;
+    if (late) free(copy);
+    return late;
+}
+
+/* Whether the worker has ended (its runs written, and its journal step if it took one). */
+int kvt_write_ended(void *handle) {
+    kvt_pending *p = handle;
+    pthread_mutex_lock(&pool_mu);
+    int ended = p->task.gen != pool_gen || p->task.state >= 2;
+    pthread_mutex_unlock(&pool_mu);
+    return ended;
 }
 
 /* Wait for a started write to end (each run's err set) and free its handle; out (or NULL):
  * jdone, jerr (kvt_pending's). */
 void kvt_write_wait(void *handle, int32_t *out) {
     kvt_pending *p = handle;
-    pthread_mutex_lock(&pool_mu);
-    if (!p->given) p->given = 2; /* no journal coming: the worker need not wait for one */
-    pthread_cond_broadcast(&pool_ended);
-    pthread_mutex_unlock(&pool_mu);
     pool_finish(&p->task, 0);
     if (out) {
         out[0] = p->jdone;

@@ -310,14 +310,25 @@ class Lane:
                     journal = native.encode_entries(  # the arrays as they are, no copies
                         lib, keys[j:k], offsets, size, now, xxh3, hashed
                     )
-                    # The worker writes the journal right after the runs if they all succeed.
-                    pending.journal(act.jfd, act.jend, journal, self._config.fsync, fd, now)
                     locs = self._index.new_locs(
                         act.seg, offsets, lengths[j:k], act.seq, now, xxh3, got, trusted
                     )
-                finally:
-                    # The buffers are the caller's again only after this.
+                    # Last: once handed over, the worker writes the entries after the runs if
+                    # they all succeed (and it has not ended: else they are written below).
+                    pending.journal(act.jfd, act.jend, journal, self._config.fsync, fd, now)
+                except BaseException:
+                    # The buffers are the caller's again only after the wait. Entries the
+                    # worker wrote (an interrupt right after the hand-over) stay the journal's:
+                    # the next ones go after them. Their records are whole and checked, so
+                    # other processes may serve them; this one reports the batch failed.
                     journaled, journal_err = pending.wait()
+                    if journaled:
+                        act.jend += len(journal)
+                        act.seq += k - j
+                    elif journal_err:
+                        act.full = True  # its journal may end in a partial entry
+                    raise
+                journaled, journal_err = pending.wait()  # the buffers are the caller's again
             for r in np.flatnonzero(table["err"]).tolist() if table["err"].any() else ():
                 log.warning(
                     "segment store %s: append to %s failed: %s",
