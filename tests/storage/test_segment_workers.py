@@ -193,6 +193,45 @@ def test_writes_never_ended_hold_no_worker(tmp_path: Path) -> None:
     assert out.stdout.split()[0] == "ok"
 
 
+def test_a_child_forked_during_a_write_exits_without_waiting_for_it(tmp_path: Path) -> None:
+    """A child forked while a write is in flight on a parent's worker (not in the child) exits
+    normally: its exit ends the inherited ``Pending`` (a finalizer), which must not wait for a
+    task no thread of the child will run (in a script, so that a hang is a failed test)."""
+    script = tmp_path / "fork.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            import numpy as np, torch
+            from kvtier.storage.segments import native
+            lib = native.library()
+            assert lib is not None
+            fd = os.open(sys.argv[1] + "/seg", os.O_RDWR | os.O_CREAT, 0o600)
+            pages = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(64)]
+            runs = native.make_runs([fd], [0], [0], [64])
+            addr = np.array([p.data_ptr() for p in pages], dtype=np.uint64)
+            n = np.full(64, 1 << 20, dtype=np.uint64)
+            pending = native.write_start(lib, runs, addr, n)  # 64 MiB: still in flight below
+            pid = os.fork()
+            if pid == 0:
+                sys.exit(0)  # a normal exit: the finalizers run, this Pending's included
+            _, status = os.waitpid(pid, 0)
+            pending.wait()
+            print("child", os.waitstatus_to_exitcode(status))
+            """
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env=child_env(),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["child", "0"]
+
+
 def test_a_journal_the_worker_could_not_write_fails_the_batch_and_the_segment(
     tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch
 ) -> None:
