@@ -7,19 +7,20 @@ laid out back to back at the end of its active segment and cut into runs (up to 
 each run is written with one ``pwritev`` of the caller's page buffers (pages adjacent in memory
 as one iovec) and every record checksummed. In the C loops (``native``) with IO threads and one
 lane, one of the library's worker threads writes every run while the caller hashes the records
-and makes the share's journal entries (handed to the worker, which writes them right after the
-runs if all succeeded, then stamps the segment) and index records, then waits for the write;
-otherwise one C call hashes and writes (a helper hashes while the caller writes). The C loops take pages of several parts (a
-page_first KV page's K and V ranges, hashed as one stream) where the binding has the streaming
-XXH3 calls (``native.takes``). Else, in the Python loops, each run is hashed
+and makes the share's journal entries and index records, then waits for the write; the worker
+writes the entries right after the runs (then stamps the segment) if they all succeeded and the
+entries were handed over before the runs ended, else the caller writes them. Otherwise one C
+call hashes and writes (a helper hashes while the caller writes). The C loops take pages of
+several parts (a page_first KV page's K and V ranges, hashed as one stream) where the binding
+has the streaming XXH3 calls (``native.takes``). Else, in the Python loops, each run is hashed
 (``PageViews.checksums``, which brings it into the core's cache) and written by the caller's
 thread or an IO thread, whichever takes it (``io.run_shared``), a record larger than a run in
 pieces of a run's size. Then the journal entries of the records before the first failed run
 (entries made beforehand are cut to them), packed for the whole batch at once
-(``encode_entries``), follow with one ``pwrite`` (the worker's, or the caller's after a failed
-run); with ``fsync`` both files are ``fdatasync``-ed once per batch. Records of one size (a batch's usually are) are laid out in
-closed form (``layout``). A segment is preallocated when created, truncated to its records when
-the writer moves on (or closes), and never written again.
+(``encode_entries``), follow with one ``pwrite`` (the worker's, or the caller's); with ``fsync``
+both files are ``fdatasync``-ed once per batch. Records of one size (a batch's usually are) are
+laid out in closed form (``layout``). A segment is preallocated when created, truncated to its
+records when the writer moves on (or closes), and never written again.
 
 A writer killed at any point leaves records whose journal entry is missing (ignored), torn
 (parsing stops there) or present with the record's bytes incomplete or lost (the checksum fails:
@@ -293,9 +294,9 @@ class Lane:
             size = np.asarray(lengths[j:k], dtype=np.uint64)
             addr = native.buffers(views, range(j, k))  # type: ignore[arg-type]
             # With a helper: a C worker writes every run (one writer a file) while this one
-            # hashes, then makes the journal entries (the worker writes them after the runs)
-            # and index records of the whole share, which are used as they are unless a run
-            # fails. Without a worker (none could be started), one call: a helper hashes while
+            # hashes, then makes the journal entries (the worker writes them after the runs if
+            # they come in time) and index records of the whole share, which are used as they
+            # are unless a run fails. Without a worker (none could be started), one call: a helper hashes while
             # this thread writes (native_io.c).
             pending = native.write_start(lib, table, addr, size) if helpers else None
             if pending is None:
