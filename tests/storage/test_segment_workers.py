@@ -251,23 +251,37 @@ def test_a_journal_the_worker_could_not_write_fails_the_batch_and_the_segment(
     assert_only_the_later_batch_served(b, root, H, pages)
 
 
+class _InterruptedAfterHandOver(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["after the hand-over", "in the wait"])
 def test_entries_the_worker_wrote_before_the_put_failed_stay_the_journals(
-    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """An error after the entries were handed over and written (an interrupt between the hand-
-    over and the wait): the batch is reported failed, and the next batch's entries go after the
-    written ones, so a reader that already read them still finds the next batch (the next
-    entries overwrote them, and such a reader never saw the acknowledged batch)."""
+    """An interrupt after the entries were handed over and written (right after the hand-over,
+    or as the wait returns: a signal that came while it blocked): the batch is reported failed,
+    and the next batch's entries go after the written ones, so a reader that already read them
+    still finds the next batch (they were overwritten, and such a reader never saw the
+    acknowledged batch: found in review)."""
 
     def failing(*args, journal=None):
         pending = deferred(lambda j: j)(*args)
-        taken = pending.journal
+        taken, waited, raised = pending.journal, pending.wait, []
 
         def journal_then_fail(*j):
             taken(*j)
-            raise KeyboardInterrupt("injected after the hand-over")
+            if where == "after the hand-over":
+                raise _InterruptedAfterHandOver
 
-        pending.journal = journal_then_fail
+        def wait_then_fail():
+            got = waited()
+            if where == "in the wait" and not raised:
+                raised.append(True)
+                raise _InterruptedAfterHandOver
+            return got
+
+        pending.journal, pending.wait = journal_then_fail, wait_then_fail
         return pending
 
     root = tmp_path / "l3"
@@ -275,8 +289,7 @@ def test_entries_the_worker_wrote_before_the_put_failed_stay_the_journals(
     reader = create_backend("file", root=root, list_interval_s=0)
     pages = pages_of(8, 64 << 10, 9)
     monkeypatch.setattr(native, "write_start", failing)
-    with pytest.raises(KeyboardInterrupt):
-        b.set([PoolTransfer("kv", H[:8], pages)])
+    assert b.set([PoolTransfer("kv", H[:8], pages)]).ok["kv"] == [False] * 8
     monkeypatch.setattr(native, "write_start", _START)
     out = [torch.full((64 << 10,), 0xEE, dtype=torch.uint8) for _ in range(8)]
     first = reader.get([PoolTransfer("kv", H[:8], out)]).ok["kv"]

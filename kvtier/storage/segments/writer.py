@@ -283,6 +283,8 @@ class Lane:
         trusted = self._config.verify == "once"
         journal = b""
         journaled, journal_err = False, 0  # whether the write's worker wrote the journal
+        advanced = 0  # act.jend and act.seq already count the entries the worker wrote
+        seq = act.seq  # the sequence number of this share's first entry
         locs: list | None = None
         if lib is not None:  # the same runs, hashes and writes in the C loops
             table = native.make_runs(
@@ -296,8 +298,8 @@ class Lane:
             # With a helper: a C worker writes every run (one writer a file) while this one
             # hashes, then makes the journal entries (the worker writes them after the runs if
             # they come in time) and index records of the whole share, which are used as they
-            # are unless a run fails. Without a worker (none could be started), one call: a helper hashes while
-            # this thread writes (native_io.c).
+            # are unless a run fails. Without a worker (none could be started), one call: a
+            # helper hashes while this thread writes (native_io.c).
             pending = native.write_start(lib, table, addr, size) if helpers else None
             if pending is None:
                 got = native.write(lib, table, addr, size, helpers + 1).tolist()
@@ -312,24 +314,27 @@ class Lane:
                         lib, keys[j:k], offsets, size, now, xxh3, hashed
                     )
                     locs = self._index.new_locs(
-                        act.seg, offsets, lengths[j:k], act.seq, now, xxh3, got, trusted
+                        act.seg, offsets, lengths[j:k], seq, now, xxh3, got, trusted
                     )
                     # Last: once handed over, the worker writes the entries after the runs if
                     # they all succeed (and it has not ended: else they are written below).
                     pending.journal(act.jfd, act.jend, journal, self._config.fsync, fd, now)
+                    journaled, journal_err = pending.wait()  # the buffers are the caller's again
+                    if journaled:  # at once: the next entries go after these, come what may
+                        act.jend, act.seq, advanced = act.jend + len(journal), act.seq + k - j, 1
                 except BaseException:
-                    # The buffers are the caller's again only after the wait. Entries the
-                    # worker wrote (an interrupt right after the hand-over) stay the journal's:
-                    # the next ones go after them. Their records are whole and checked, so
-                    # other processes may serve them; this one reports the batch failed.
+                    # The buffers are the caller's again only after the wait (a second wait
+                    # returns the first's answer). Entries the worker wrote (an interrupt after
+                    # the hand-over, in the wait say) stay the journal's: the next ones go after
+                    # them. Their records are whole and checked, so other processes may serve
+                    # them; this one reports the batch failed.
                     journaled, journal_err = pending.wait()
-                    if journaled:
+                    if journaled and not advanced:
                         act.jend += len(journal)
                         act.seq += k - j
                     elif journal_err:
                         act.full = True  # its journal may end in a partial entry
                     raise
-                journaled, journal_err = pending.wait()  # the buffers are the caller's again
             for r in np.flatnonzero(table["err"]).tolist() if table["err"].any() else ():
                 log.warning(
                     "segment store %s: append to %s failed: %s",
@@ -379,21 +384,23 @@ class Lane:
             )
             act.full = True
             return k
-        act.jend += len(journal)
+        if not advanced:
+            act.jend += len(journal)
         with self._index.mutex:
             self._index.insert_new_locked(
                 act.seg,
                 keys[j:stored],
                 offsets[:n],
                 lengths[j:stored],
-                act.seq,
+                seq,
                 now,
                 algorithms,
                 checksums,
                 trusted=trusted,
                 locs=locs,
             )
-        act.seq += n
+        if not advanced:
+            act.seq += n
         ok[j:stored] = [True] * n
         return k
 
