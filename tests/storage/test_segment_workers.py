@@ -152,19 +152,33 @@ def test_entries_handed_over_after_the_runs_ended_are_left_to_the_caller(
         assert os.fstat(jrn.fileno()).st_size == 0
 
 
+def in_a_child(tmp_path: Path, body: str) -> str:
+    """Run ``body`` (Python, after ``os``, ``sys``, ``numpy as np``, ``torch``, ``native`` and
+    its loaded ``lib``; ``sys.argv[1]`` is ``tmp_path``) in a child within ``WAIT_S``, so that a
+    hang fails the test; its output."""
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, sys\nimport numpy as np, torch\nfrom kvtier.storage.segments import native\n"
+        "lib = native.library()\nassert lib is not None\n" + textwrap.dedent(body)
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env=child_env(),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
 def test_writes_never_ended_hold_no_worker(tmp_path: Path) -> None:
     """More writes than the pool has workers (64), none journaled nor waited for (say, held by
     tracebacks): a later write still ends, with its journal (in a child, so that a hang is a
     failed test)."""
-    script = tmp_path / "held.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import os, sys
-            import numpy as np, torch
-            from kvtier.storage.segments import native
-            lib = native.library()
-            assert lib is not None
+    out = in_a_child(
+        tmp_path,
+        """
             seg = os.open(sys.argv[1] + "/seg", os.O_RDWR | os.O_CREAT, 0o600)
             jrn = os.open(sys.argv[1] + "/jrn", os.O_RDWR | os.O_CREAT, 0o600)
             page = torch.full((4096,), 7, dtype=torch.uint8)
@@ -179,33 +193,18 @@ def test_writes_never_ended_hold_no_worker(tmp_path: Path) -> None:
             # Taken and written by the worker, or too late and refused: never lost in between.
             assert err == 0 and done == (os.pread(jrn, 16, 0) == b"entries"), (done, err)
             print("ok", lib.kvt_workers())
-            """
-        )
+            """,
     )
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        env=child_env(),
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[0] == "ok"
+    assert out.split()[0] == "ok"
 
 
 def test_a_child_forked_during_a_write_exits_without_waiting_for_it(tmp_path: Path) -> None:
     """A child forked while a write is in flight on a parent's worker (not in the child) exits
     normally: its exit ends the inherited ``Pending`` (a finalizer), which must not wait for a
     task no thread of the child will run (in a script, so that a hang is a failed test)."""
-    script = tmp_path / "fork.py"
-    script.write_text(
-        textwrap.dedent(
-            """
-            import os, sys
-            import numpy as np, torch
-            from kvtier.storage.segments import native
-            lib = native.library()
-            assert lib is not None
+    out = in_a_child(
+        tmp_path,
+        """
             fd = os.open(sys.argv[1] + "/seg", os.O_RDWR | os.O_CREAT, 0o600)
             pages = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(64)]
             runs = native.make_runs([fd], [0], [0], [64])
@@ -218,18 +217,9 @@ def test_a_child_forked_during_a_write_exits_without_waiting_for_it(tmp_path: Pa
             _, status = os.waitpid(pid, 0)
             pending.wait()
             print("child", os.waitstatus_to_exitcode(status))
-            """
-        )
+            """,
     )
-    out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=WAIT_S,
-        env=child_env(),
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["child", "0"]
+    assert out.split() == ["child", "0"]
 
 
 def test_a_journal_the_worker_could_not_write_fails_the_batch_and_the_segment(
