@@ -36,9 +36,26 @@ __all__ = [
     "DeviceBuffers",
     "HostBuffer",
     "HostLayout",
+    "checked_ids",
     "host_shape",
     "word_bytes_for",
 ]
+
+
+def checked_ids(ids: torch.Tensor, count: int, arg: str, what: str) -> np.ndarray:
+    """``ids`` (integer ids of pages or slots, any shape and device) as a 1-D int64 array, each
+    in ``[0, count)``; ``TypeError`` for a non-integer dtype and ``ValueError`` for an id out of
+    range, both naming ``arg`` (``what``: one id's noun in the message)."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype is torch.bool:
+        raise TypeError(f"{arg}: expected integer {what} ids, got dtype {ids.dtype}")
+    if ids.dtype is torch.int64 and ids.dim() == 1 and ids.is_cpu:
+        out = ids.detach().numpy()
+    else:
+        out = ids.detach().reshape(-1).cpu().numpy().astype(np.int64)
+    if len(out) and (out.min() < 0 or out.max() >= count):
+        bad = int(out[np.flatnonzero((out < 0) | (out >= count))[0]])
+        raise ValueError(f"{arg}: {what} {bad} outside [0, {count})")
+    return out
 
 
 class HostLayout(str, enum.Enum):
@@ -365,16 +382,7 @@ class HostBuffer:
         Page-first layouts give one part per buffer (K and V for MHA, one for MLA), each
         ``P * L * I`` bytes; layer_first gives one part per (buffer, layer) of ``P * I`` bytes.
         """
-        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype is torch.bool:
-            raise TypeError(f"pages: expected integer page ids, got dtype {pages.dtype}")
-        if pages.dtype is torch.int64 and pages.dim() == 1 and pages.is_cpu:
-            ids = pages.detach().numpy()
-        else:
-            ids = pages.detach().reshape(-1).cpu().numpy().astype(np.int64)
-        count = self.num_slots // self.page_size
-        if len(ids) and (ids.min() < 0 or ids.max() >= count):
-            bad = int(ids[np.flatnonzero((ids < 0) | (ids >= count))[0]])
-            raise ValueError(f"pages: page {bad} outside [0, {count})")
+        ids = checked_ids(pages, self.num_slots // self.page_size, "pages", "page")
         span = self.page_size * self.item_bytes
         bufs = np.arange(self.num_buffers, dtype=np.int64) * self.stride_buffer
         if self.layout is not None and self.layout.page_contiguous:

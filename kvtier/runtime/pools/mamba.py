@@ -18,12 +18,11 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvtier.kernels.dispatch import Impl
 from kvtier.kernels.kv_transfer import TransferKnobs, copy_device_to_host, copy_host_to_device
-from kvtier.kernels.layout import DeviceBuffers, HostBuffer
+from kvtier.kernels.layout import DeviceBuffers, HostBuffer, checked_ids
 from kvtier.runtime.pools.host import host_size_for
 from kvtier.runtime.pools.pinned import host_empty
 from kvtier.storage.spans import PageSpans
@@ -258,12 +257,7 @@ class MambaHostPool:
         """``slot_views`` as ``PageSpans`` for a ``PoolTransfer``: each slot's flat page as an
         offset into the pool's bytes, with no tensor per slot (what the L3 tier hands its store,
         so that a call with a hybrid model's KV or SWA pages keeps them as spans too)."""
-        if slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype is torch.bool:
-            raise TypeError(f"slots: expected integer slot ids, got dtype {slots.dtype}")
-        ids = slots.detach().reshape(-1).cpu().numpy().astype(np.int64)
-        if len(ids) and (ids.min() < 0 or ids.max() >= self.size):
-            bad = int(ids[np.flatnonzero((ids < 0) | (ids >= self.size))[0]])
-            raise ValueError(f"slots: slot {bad} outside [0, {self.size})")
+        ids = checked_ids(slots, self.size, "slots", "slot")
         offsets = ids[:, None] * self.slot_bytes
         offsets.setflags(write=False)
         return PageSpans._made(self.tensor.view(-1), offsets, (self.slot_bytes,))

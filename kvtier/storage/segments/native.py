@@ -710,9 +710,7 @@ class Pending:
         with self._done:
             if not self._ended.alive:
                 return False
-            got = self._lib.kvt_write_journal(
-                self._handle, jfd, offset, entries, len(entries), int(sync), fd, time_ns
-            )
+            got = _hand_over(self._lib, self._handle, (jfd, offset, entries, sync, fd, time_ns))
         return got == 0
 
     def ended(self) -> bool:
@@ -727,6 +725,13 @@ class Pending:
             self._ended()  # a no-op after the first call
             self._keep = ()
         return bool(self._out[0]), int(self._out[1])
+
+
+def _hand_over(lib, handle: int, journal: tuple) -> int:
+    """``kvt_write_journal`` with ``Pending.journal``'s arguments: 0 taken, 1 too late, -1 no
+    memory for the copy."""
+    jfd, offset, entries, sync, fd, time_ns = journal
+    return lib.kvt_write_journal(handle, jfd, offset, entries, len(entries), int(sync), fd, time_ns)
 
 
 def write_start(
@@ -749,9 +754,7 @@ def write_start(
     handle = lib.kvt_write_prepare(*args)
     if handle is None:
         return None
-    jfd, offset, entries, sync, fd, time_ns = journal
-    # Not taken only without memory for the copy: the worker then ends without it.
-    lib.kvt_write_journal(handle, jfd, offset, entries, len(entries), int(sync), fd, time_ns)
+    _hand_over(lib, handle, journal)  # refused only without memory: then none is written
     if lib.kvt_write_submit(handle) != 0:
         return None  # the handle is freed
     return Pending(lib, handle, (runs, buffers, lengths))

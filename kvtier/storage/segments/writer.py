@@ -283,7 +283,7 @@ class Lane:
         trusted = self._config.verify == "once"
         journal = b""
         journaled, journal_err = False, 0  # whether the write's worker wrote the journal
-        advanced = 0  # act.jend and act.seq already count the entries the worker wrote
+        advanced = False  # act.jend and act.seq already count the entries the worker wrote
         seq = act.seq  # the sequence number of this share's first entry
         locs: list | None = None
         if lib is not None:  # the same runs, hashes and writes in the C loops
@@ -321,7 +321,7 @@ class Lane:
                     pending.journal(act.jfd, act.jend, journal, self._config.fsync, fd, now)
                     journaled, journal_err = pending.wait()  # the buffers are the caller's again
                     if journaled:  # at once: the next entries go after these, come what may
-                        act.jend, act.seq, advanced = act.jend + len(journal), act.seq + k - j, 1
+                        act.jend, act.seq, advanced = act.jend + len(journal), act.seq + k - j, True
                 except BaseException:
                     # The buffers are the caller's again only after the wait (a second wait
                     # returns the first's answer). Entries the worker wrote (an interrupt after
