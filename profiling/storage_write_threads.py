@@ -12,6 +12,7 @@ once, started together by a pipe), after ``os.sync()``; raw writes the same byte
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import statistics
@@ -23,7 +24,9 @@ from pathlib import Path
 BATCH = 8 << 20
 
 
-def child(kind: str, threads: int, root: str, tag: int, page: int, mib: int) -> None:
+def child(
+    kind: str, threads: int, root: str, tag: int, page: int, mib: int, after: int = 0
+) -> None:
     import torch
 
     from kvtier.storage import PoolTransfer, create_backend
@@ -32,8 +35,10 @@ def child(kind: str, threads: int, root: str, tag: int, page: int, mib: int) -> 
 
     total = mib << 20
     src = torch.randint(0, 255, (total,), dtype=torch.uint8)
-    write = native.write
-    native.write = lambda lib, runs, addr, lengths, _t: write(lib, runs, addr, lengths, threads)
+    lib = native.library()
+    if after:  # EXPERIMENT: each run (piece) hashed right after its write, on one thread
+        lib.kvt_hash_after.argtypes = (ctypes.c_int,)
+        lib.kvt_hash_after(1)
     if kind == "raw":
         path = Path(root) / f"raw{tag}.bin"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -45,7 +50,7 @@ def child(kind: str, threads: int, root: str, tag: int, page: int, mib: int) -> 
         print(time.perf_counter() - t, time.process_time() - c, flush=True)
         os.close(fd)
         return
-    b = create_backend("file", root=root)
+    b = create_backend("file", root=root, **({} if threads < 0 else {"io_threads": threads}))
     pages = page_views(src, page)
     keys = keys_for(tag, len(pages))
     per = BATCH // page
@@ -59,7 +64,7 @@ def child(kind: str, threads: int, root: str, tag: int, page: int, mib: int) -> 
 
 
 def run(
-    kind: str, threads: int, procs: int, work: Path, page: int, mib: int
+    kind: str, threads: int, procs: int, work: Path, page: int, mib: int, after: int = 0
 ) -> tuple[float, float]:
     """Aggregate GB/s and CPU s/GB of ``procs`` processes putting at once."""
     root = work / "root"
@@ -79,6 +84,7 @@ def run(
                 str(n + 1),
                 str(page),
                 str(mib),
+                str(after),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -102,8 +108,8 @@ def run(
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        kind, threads, root, tag, page, mib = sys.argv[2:8]
-        child(kind, int(threads), root, int(tag), int(page), int(mib))
+        kind, threads, root, tag, page, mib, after = sys.argv[2:9]
+        child(kind, int(threads), root, int(tag), int(page), int(mib), int(after))
         return
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dir", default="/tmp")
@@ -113,24 +119,31 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.dir) / f"write_threads_{os.getpid()}"
     work.mkdir()
-    variants = [("raw", 1), ("store", 1), ("store", 2)]
+    # (kind, io_threads (-1: the default), hash after write)
+    variants = [("raw", 1, 0), ("store", -1, 0), ("store", -1, 1), ("store", 0, 0), ("store", 0, 1)]
+    names = {
+        ("raw", 1, 0): "raw",
+        ("store", -1, 0): "store (default)",
+        ("store", -1, 1): "store, lanes hash after",
+        ("store", 0, 0): "one thread, hash first",
+        ("store", 0, 1): "one thread, hash after",
+    }
     try:
         for page in args.pages:
             for procs in (1, 2):
                 got: dict[str, list[tuple[float, float]]] = {}
                 for r in range(args.rounds):
-                    order = variants[r % 3 :] + variants[: r % 3]
-                    for kind, threads in order:
-                        name = "raw" if kind == "raw" else f"store, {threads} thread(s)"
-                        got.setdefault(name, []).append(
-                            run(kind, threads, procs, work, page << 10, args.mib)
+                    k = r % len(variants)
+                    for v in variants[k:] + variants[:k]:
+                        got.setdefault(names[v], []).append(
+                            run(v[0], v[1], procs, work, page << 10, args.mib, v[2])
                         )
                 raw = statistics.median(g for g, _ in got["raw"])
                 for name, v in got.items():
                     gbps = statistics.median(g for g, _ in v)
                     cpu = statistics.median(c for _, c in v)
                     print(
-                        f"{page:5d} KiB  {procs} process(es)  {name:20s} {gbps:5.2f} GB/s "
+                        f"{page:5d} KiB  {procs} process(es)  {name:26s} {gbps:5.2f} GB/s "
                         f"({100 * gbps / raw:3.0f}% of raw)  CPU {cpu:.3f} s/GB  "
                         f"rounds: {' '.join(f'{g:.2f}' for g, _ in v)}",
                         flush=True,

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import random
+import resource
 import signal
 import stat
 import subprocess
@@ -734,6 +736,102 @@ def test_runs_of_more_parts_than_a_syscall_takes_are_cut_between_records(
         os.close(fd)
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["hash-first", "hash-after"])
+@pytest.mark.parametrize("in_parts", [False, True], ids=["one-part", "parts"])
+def test_a_large_record_on_one_thread_is_hashed_and_written_piece_by_piece(
+    tmp_path: Path, lib, in_parts: bool, after: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On one thread, a record larger than ``piece`` that is a run of its own is hashed piece by
+    piece, each piece just before its write (so the write copies it from the core's cache): at
+    every hash update the file holds exactly the pieces before it; with ``after``, right after
+    its write (from the cache the copy left it in): the file holds that piece too. Small
+    records in a run of several are hashed whole, before (after) their run's write. Bytes and
+    checksums equal the records', the bytes before them stay; ``piece`` 0: each record hashed
+    whole, then written (or each run written, then hashed). A write that fails partway gives
+    that run's errno, the runs before it written."""
+    if lib.stream_at is None:
+        pytest.skip("the binding's streaming XXH3 calls are not callable here")
+    piece = 4096
+    sizes = [3 * piece + 17, 100, 200, 2 * piece]  # runs: [0], [1, 2], [3]
+    pages = pages_of(sizes, 41)
+    if in_parts:
+        parts, bufs = split_into_parts(sizes, random.Random(41))
+        for page, mine in zip(pages, bufs):
+            at = 0
+            for b in mine:
+                b[:-1] = page[at : at + len(b) - 1]
+                at += len(b) - 1
+    else:
+        parts = native.Parts(
+            np.arange(len(pages) + 1, dtype=np.int64),
+            np.array([p.data_ptr() for p in pages], dtype=np.uint64),
+            np.array(sizes, dtype=np.uint64),
+        )
+    lengths = np.array(sizes, dtype=np.uint64)
+    want = [xxhash.xxh3_64_intdigest(p.numpy().tobytes()) for p in pages]
+    lead = 33  # bytes before the first record, kept
+    offsets = [lead, lead + sizes[0], lead + sum(sizes[:3])]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    seen: list[int] = []  # the file's size at each hash update
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    real = proto(lib.stream_table[3])
+
+    @proto
+    def update(state, data, n):
+        seen.append(os.fstat(fd).st_size)
+        return real(state, data, n)
+
+    table = (ctypes.c_void_p * 5)(*list(lib.stream_table))
+    table[3] = ctypes.cast(update, ctypes.c_void_p).value
+    monkeypatch.setattr(lib, "stream_at", ctypes.addressof(table))
+
+    def runs() -> np.ndarray:
+        return native.make_runs([fd] * 3, offsets, [0, 1, 3], [1, 2, 1])
+
+    try:
+        for p in (piece, 0):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, b"\x5a" * lead, 0)
+            seen.clear()
+            table_ = runs()
+            sums = native.write(lib, table_, parts, lengths, 1, p, after)
+            assert not table_["err"].any() and sums.tolist() == want
+            end = lead + sum(sizes)
+            data = os.pread(fd, end + 1, 0)
+            assert data == b"\x5a" * lead + b"".join(q.numpy().tobytes() for q in pages)
+            if p and not in_parts and not after:  # a piece's update, then its write
+                first = [lead + i * piece for i in range(4)]
+                assert seen == first + [offsets[2], offsets[2] + piece]
+            elif p and not in_parts:  # a piece's write, then its update
+                first = [lead + i * piece for i in (1, 2, 3)]
+                assert seen == first + [offsets[1], offsets[2] + piece, end]
+            elif p:  # parts cut the pieces further; never ahead of the file (behind) it
+                assert seen == sorted(seen) and (seen[0] > lead if after else seen[0] == lead)
+                assert seen[-1] == end if after else offsets[2] < seen[-1] < end
+            elif not after:  # hashed whole before each write (one part: no update at all)
+                assert set(seen) <= {lead, offsets[1], offsets[2]}
+            else:  # each run hashed once written
+                assert set(seen) <= {offsets[1], offsets[2], end}
+                assert not in_parts or {offsets[1], end} <= set(seen)  # records 0, 3: parts
+        if in_parts:
+            return
+        # The file may not grow past its last record's first piece and 5 bytes.
+        os.ftruncate(fd, 0)
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (offsets[2] + piece + 5, old[1]))
+        try:
+            table_ = runs()
+            native.write(lib, table_, parts, lengths, 1, piece, after)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            signal.signal(signal.SIGXFSZ, handler)
+        assert table_["err"].tolist() == [0, 0, errno.EFBIG]
+        assert os.fstat(fd).st_size == offsets[2] + piece + 5
+    finally:
+        os.close(fd)
+
+
 def test_pages_of_several_parts_take_the_python_loops_without_the_streaming_calls(
     tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -788,6 +886,8 @@ def test_a_hash_state_that_cannot_be_made_fails_the_call_not_the_records(
         for threads in (1, 2):
             with pytest.raises(MemoryError):
                 native.write(lib, native.make_runs([fd], [0], [0], [3]), parts, lengths, threads)
+        with pytest.raises(MemoryError):  # the large record, a run of its own, in pieces
+            native.write(lib, native.make_runs([fd], [2000], [2], [1]), parts, lengths, 1, 4096)
         back = torch.zeros_like(data)
         into = native.Parts(
             parts.start, parts.addr - np.uint64(base) + np.uint64(back.data_ptr()), parts.size

@@ -74,7 +74,7 @@ ENV_DISABLE = "KVTIER_NATIVE"
 """Set to ``0`` (or ``false``, ``no``, ``off``) to run the segment store's loops in Python."""
 _SOURCE = Path(__file__).with_name("native_io.c")
 _FLAGS = ("-O2", "-shared", "-fPIC", "-pthread", "-std=c11", "-Wall")
-_ABI = 4
+_ABI = 5
 _BUILD_TIMEOUT_S = 120.0
 _IOV_MAX = 1024  # native_io.c's KVT_IOV: iovecs a syscall takes
 
@@ -371,7 +371,7 @@ def _open(target: Path, hash_at: int) -> object | None:
         return None
     finally:
         os.close(fd)
-    vp, i32, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64
+    vp, i32, i64, u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
     lib.kvt_read_records.restype = i32
     lib.kvt_read_records.argtypes = (
         vp,
@@ -391,7 +391,7 @@ def _open(target: Path, hash_at: int) -> object | None:
         vp,
     )
     lib.kvt_write.restype = i32
-    lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, vp, vp, i32, vp, vp)
+    lib.kvt_write.argtypes = (vp, i32, vp, vp, vp, vp, vp, i32, i64, i32, vp, vp)
     lib.kvt_write_start.restype = vp
     lib.kvt_write_start.argtypes = (vp, i32, vp, vp, vp, vp)
     lib.kvt_write_prepare.restype = vp
@@ -414,7 +414,7 @@ def _open(target: Path, hash_at: int) -> object | None:
     lib.kvt_write_ended.restype = i32
     lib.kvt_write_ended.argtypes = (vp,)
     lib.kvt_write_wait.restype = None
-    lib.kvt_write_wait.argtypes = (vp, vp)
+    lib.kvt_write_wait.argtypes = (vp, vp)  # out: int64[4]
     lib.kvt_hash_records.restype = i32
     lib.kvt_hash_records.argtypes = (vp, vp, vp, vp, i32, vp, vp, vp)
     lib.kvt_encode_entries.restype = ctypes.c_int64
@@ -655,10 +655,21 @@ def read(
     return status, err.value
 
 
-def write(lib, runs: np.ndarray, buffers: Buffers, lengths: np.ndarray, threads: int) -> np.ndarray:
+def write(
+    lib,
+    runs: np.ndarray,
+    buffers: Buffers,
+    lengths: np.ndarray,
+    threads: int,
+    piece: int = 0,
+    after: bool = False,
+) -> np.ndarray:
     """Hash each record (``lengths`` bytes, uint64, at ``buffers``: their addresses, uint64, or
     their ``Parts``) and write ``runs``, on up to ``threads`` threads; each record's XXH3-64 (a
-    run whose write failed has its errno in ``err``)."""
+    run whose write failed has its errno in ``err``). On one thread, a record larger than
+    ``piece`` (> 0) that is a run of its own is hashed and written in pieces of that size,
+    where the binding has the streaming calls, and with ``after`` each run (piece) is hashed
+    right after its write instead of just before it."""
     sums = np.zeros(len(lengths), dtype=np.uint64)
     pstart, paddr, plen = _records(buffers, lengths)
     got = lib.kvt_write(
@@ -670,6 +681,8 @@ def write(lib, runs: np.ndarray, buffers: Buffers, lengths: np.ndarray, threads:
         plen,
         sums.ctypes.data,
         threads,
+        piece,
+        int(after),
         lib.hash_at,
         lib.stream_at,
     )
@@ -695,7 +708,8 @@ class Pending:
         self._keep = keep
         self._lib, self._handle = lib, handle
         self._done = threading.Lock()
-        self._out = (ctypes.c_int32 * 2)()  # written by the wait: journal written, its errno
+        # Written by the wait: journal written, its errno, the runs' wall and worker CPU ns.
+        self._out = (ctypes.c_int64 * 4)()
         # The wait, once: by ``wait``, or at collection.
         self._ended = weakref.finalize(self, lib.kvt_write_wait, handle, self._out)
 
@@ -725,6 +739,14 @@ class Pending:
             self._ended()  # a no-op after the first call
             self._keep = ()
         return bool(self._out[0]), int(self._out[1])
+
+    def times(self) -> tuple[int, float]:
+        """After ``wait``: (the write's ns from its start to its runs' end, the share of them
+        its worker was on a CPU). The share is near 1 where the worker had a CPU of its own,
+        well under it where the process's threads took turns on too few CPUs (or its writes
+        blocked), so that a second thread bought no overlap. (0, 1.0) before ``wait``."""
+        wall, cpu = int(self._out[2]), int(self._out[3])
+        return wall, (cpu / wall if wall > 0 else 1.0)
 
 
 def _hand_over(lib, handle: int, journal: tuple) -> int:
