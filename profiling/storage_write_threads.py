@@ -1,7 +1,13 @@
-"""The segment store's C write loop on one thread or two (a helper hashing beside the writer),
-one process or two at once on one root, against raw writes: GB/s and CPU s/GB.
+"""The segment store's put arrangements, one process or two at once on one root, against raw
+writes: GB/s and CPU s/GB. The store's default (a worker writes while the caller hashes, or the
+caller's thread alone after a batch whose worker shared its CPU: ``writer.SOLO_BUSY``), always
+the worker, always the caller's thread alone (each run hashed after its write), and
+``io_threads=0`` (one thread, each run hashed before its write).
 
-    taskset -c 0,1 python3 -m profiling.storage_write_threads --dir /tmp --rounds 3
+    taskset -c 0,1 python3 -m profiling.storage_write_threads --dir /tmp --rounds 3 --pages 64
+
+Each child imports torch and makes its pages before the clock starts: about 5 s a measurement
+on the H100 host, so keep ``--rounds`` and ``--pages`` small there.
 
 Each process puts ``--mib`` MiB of pages in 8 MiB batches (two processes: each its own keys, at
 once, started together by a pipe), after ``os.sync()``; raw writes the same bytes with 8 MiB
@@ -12,7 +18,6 @@ once, started together by a pipe), after ``os.sync()``; raw writes the same byte
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import shutil
 import statistics
@@ -30,15 +35,16 @@ def child(
     import torch
 
     from kvtier.storage import PoolTransfer, create_backend
-    from kvtier.storage.segments import native
     from profiling.bench_storage import keys_for, page_views
 
     total = mib << 20
     src = torch.randint(0, 255, (total,), dtype=torch.uint8)
-    lib = native.library()
-    if after:  # EXPERIMENT: each run (piece) hashed right after its write, on one thread
-        lib.kvt_hash_after.argtypes = (ctypes.c_int,)
-        lib.kvt_hash_after(1)
+    from kvtier.storage.segments import writer
+
+    if after == 1:  # a worker for every batch, whatever its CPU share
+        writer.SOLO_BATCHES = 0
+    elif after == 2:  # the caller's thread alone after the first batch, whatever the share
+        writer.SOLO_BUSY, writer.SOLO_BATCHES = 2.0, 1 << 30
     if kind == "raw":
         path = Path(root) / f"raw{tag}.bin"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -119,14 +125,21 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.dir) / f"write_threads_{os.getpid()}"
     work.mkdir()
-    # (kind, io_threads (-1: the default), hash after write)
-    variants = [("raw", 1, 0), ("store", -1, 0), ("store", -1, 1), ("store", 0, 0), ("store", 0, 1)]
+    # (kind, io_threads (-1: the default), arrangement: 0 the default's choice, 1 always the
+    # worker, 2 always the caller's thread alone)
+    variants = [
+        ("raw", 1, 0),
+        ("store", -1, 0),
+        ("store", -1, 1),
+        ("store", -1, 2),
+        ("store", 0, 0),
+    ]
     names = {
         ("raw", 1, 0): "raw",
         ("store", -1, 0): "store (default)",
-        ("store", -1, 1): "store, lanes hash after",
-        ("store", 0, 0): "one thread, hash first",
-        ("store", 0, 1): "one thread, hash after",
+        ("store", -1, 1): "always the worker",
+        ("store", -1, 2): "alone, hash after",
+        ("store", 0, 0): "io_threads 0",
     }
     try:
         for page in args.pages:
