@@ -1,8 +1,7 @@
 """The segment store's put arrangements, one process or two at once on one root, against raw
-writes: GB/s and CPU s/GB. The store's default (a worker writes while the caller hashes, or the
-caller's thread alone after a batch whose worker shared its CPU: ``writer.SOLO_BUSY``), always
-the worker, always the caller's thread alone (each run hashed after its write), and
-``io_threads=0`` (one thread, each run hashed before its write).
+writes: GB/s and CPU s/GB. The store's default (small pages: a worker writes while the caller
+hashes; large ones: two lanes, each on its thread hashing each run just before its write) and
+``io_threads=0`` (the caller's thread alone, each run hashed right after its write).
 
     taskset -c 0,1 python3 -m profiling.storage_write_threads --dir /tmp --rounds 3 --pages 64
 
@@ -29,9 +28,7 @@ from pathlib import Path
 BATCH = 8 << 20
 
 
-def child(
-    kind: str, threads: int, root: str, tag: int, page: int, mib: int, after: int = 0
-) -> None:
+def child(kind: str, threads: int, root: str, tag: int, page: int, mib: int) -> None:
     import torch
 
     from kvtier.storage import PoolTransfer, create_backend
@@ -39,12 +36,6 @@ def child(
 
     total = mib << 20
     src = torch.randint(0, 255, (total,), dtype=torch.uint8)
-    from kvtier.storage.segments import writer
-
-    if after == 1:  # a worker for every batch, whatever its CPU share
-        writer.SOLO_BATCHES = 0
-    elif after == 2:  # the caller's thread alone after the first batch, whatever the share
-        writer.SOLO_BUSY, writer.SOLO_BATCHES = 2.0, 1 << 30
     if kind == "raw":
         path = Path(root) / f"raw{tag}.bin"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -70,7 +61,7 @@ def child(
 
 
 def run(
-    kind: str, threads: int, procs: int, work: Path, page: int, mib: int, after: int = 0
+    kind: str, threads: int, procs: int, work: Path, page: int, mib: int
 ) -> tuple[float, float]:
     """Aggregate GB/s and CPU s/GB of ``procs`` processes putting at once."""
     root = work / "root"
@@ -90,7 +81,6 @@ def run(
                 str(n + 1),
                 str(page),
                 str(mib),
-                str(after),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -114,8 +104,8 @@ def run(
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        kind, threads, root, tag, page, mib, after = sys.argv[2:9]
-        child(kind, int(threads), root, int(tag), int(page), int(mib), int(after))
+        kind, threads, root, tag, page, mib = sys.argv[2:8]
+        child(kind, int(threads), root, int(tag), int(page), int(mib))
         return
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dir", default="/tmp")
@@ -125,22 +115,9 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.dir) / f"write_threads_{os.getpid()}"
     work.mkdir()
-    # (kind, io_threads (-1: the default), arrangement: 0 the default's choice, 1 always the
-    # worker, 2 always the caller's thread alone)
-    variants = [
-        ("raw", 1, 0),
-        ("store", -1, 0),
-        ("store", -1, 1),
-        ("store", -1, 2),
-        ("store", 0, 0),
-    ]
-    names = {
-        ("raw", 1, 0): "raw",
-        ("store", -1, 0): "store (default)",
-        ("store", -1, 1): "always the worker",
-        ("store", -1, 2): "alone, hash after",
-        ("store", 0, 0): "io_threads 0",
-    }
+    # (kind, io_threads: -1 the default)
+    variants = [("raw", 1), ("store", -1), ("store", 0)]
+    names = {("raw", 1): "raw", ("store", -1): "store (default)", ("store", 0): "io_threads 0"}
     try:
         for page in args.pages:
             for procs in (1, 2):
@@ -149,7 +126,7 @@ def main() -> None:
                     k = r % len(variants)
                     for v in variants[k:] + variants[:k]:
                         got.setdefault(names[v], []).append(
-                            run(v[0], v[1], procs, work, page << 10, args.mib, v[2])
+                            run(v[0], v[1], procs, work, page << 10, args.mib)
                         )
                 raw = statistics.median(g for g, _ in got["raw"])
                 for name, v in got.items():

@@ -832,6 +832,47 @@ def test_a_large_record_on_one_thread_is_hashed_and_written_piece_by_piece(
         os.close(fd)
 
 
+@pytest.mark.parametrize(
+    ("config", "page", "want"),
+    [
+        ({}, 16 << 10, "worker"),
+        ({"io_threads": 0}, 16 << 10, "write threads=1 piece=262144 after=True"),
+        ({"io_threads": 0}, 1 << 20, "write threads=1 piece=262144 after=True"),
+        ({"write_lanes": 2}, 1 << 20, "write threads=1 piece=262144 after=False"),
+    ],
+    ids=["default", "io_threads-0", "io_threads-0-large", "lanes"],
+)
+def test_each_arrangement_of_a_put_takes_its_write_call(
+    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch, config: dict, page: int, want: str
+) -> None:
+    """Small pages by default: a worker writes (the caller hashes beside it). With
+    ``io_threads=0``: one call on the caller's thread, each run hashed right after its write
+    (fewer CPU seconds a byte), large records in pieces of a run. Each lane of several: one
+    call on its thread, each run hashed just before its write, in pieces. Pages read back."""
+    calls: list[str] = []
+    write, start = native.write, native.write_start
+
+    def counted_write(lib, runs, buffers, lengths, threads, piece=0, after=False):
+        calls.append(f"write threads={threads} piece={piece} after={after}")
+        return write(lib, runs, buffers, lengths, threads, piece, after)
+
+    def counted_start(*args, **kwargs):
+        calls.append("worker")
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(native, "write", counted_write)
+    monkeypatch.setattr(native, "write_start", counted_start)
+    b = create_backend("file", root=tmp_path / "l3", **config)
+    n = max(2, (2 << 20) // page)
+    pages = pages_of([page] * n, 51)
+    assert b.set([PoolTransfer("kv", H[:n], pages)]).all_ok
+    assert calls and set(calls) == {want}, calls
+    out = [torch.full((page,), 0xEE, dtype=torch.uint8) for _ in range(n)]
+    assert b.get([PoolTransfer("kv", H[:n], out)]).all_ok
+    assert all(torch.equal(o, p) for o, p in zip(out, pages))
+    b.close()
+
+
 def test_pages_of_several_parts_take_the_python_loops_without_the_streaming_calls(
     tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch
 ) -> None:

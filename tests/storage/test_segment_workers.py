@@ -358,9 +358,6 @@ class _Deferred:
             self._pending = _START(*self._args)
         return self._pending.wait()
 
-    def times(self):
-        return self._pending.times()
-
 
 def deferred(change):
     """A ``native.write_start`` whose writes are ``_Deferred`` (their entries changed by
@@ -420,102 +417,4 @@ def test_a_forked_child_starts_its_own_workers(tmp_path: Path, lib) -> None:
             pytest.fail("the forked child's put or get did not end")
         time.sleep(0.05)  # polling the child's exit, not standing in for synchronisation
     assert os.waitstatus_to_exitcode(status) == 0
-    b.close()
-
-
-def test_a_write_reports_how_long_it_took_and_its_workers_share_of_a_cpu(
-    tmp_path: Path,
-) -> None:
-    """``Pending.times`` after the wait: the write's ns (> 0) and the share of them its worker
-    was on a CPU, in (0, 1]; (0, 1.0) before. With the process held to one CPU and its main
-    thread spinning until the worker has ended, the worker gets about half of it (under 0.85);
-    alone, it gets more (over the spun one's). In a child: the spin and the CPU mask are its
-    own."""
-    out = in_a_child(
-        tmp_path,
-        """
-            import time
-            seg = os.open(sys.argv[1] + "/seg", os.O_RDWR | os.O_CREAT, 0o600)
-            page = torch.randint(0, 256, (32 << 20,), dtype=torch.uint8)
-            addr = np.array([page.data_ptr()], dtype=np.uint64)
-            n = np.array([page.numel()], dtype=np.uint64)
-            one = {sorted(os.sched_getaffinity(0))[0]}
-            for tid in os.listdir("/proc/self/task"):  # the library's workers too
-                os.sched_setaffinity(int(tid), one)
-            def write(spin):
-                p = native.write_start(lib, native.make_runs([seg], [0], [0], [1]), addr, n)
-                assert p.times() == (0, 1.0)
-                while spin and not p.ended():
-                    pass
-                p.wait()
-                return p.times()
-            write(False)  # the file's pages allocated: both measured writes overwrite
-            shares = []
-            for spin in (True, False, True, False):
-                wall, share = write(spin)
-                assert wall > 0 and 0 < share <= 1.0, (wall, share)
-                shares.append(share)
-            print(*shares)
-            """,
-    )
-    spun1, alone1, spun2, alone2 = map(float, out.split())
-    assert max(spun1, spun2) < 0.85, out
-    assert min(alone1, alone2) > max(spun1, spun2), out
-
-
-class _Shared:
-    """A real write whose ``times`` say the worker had a CPU for ``share`` of ``wall`` ns."""
-
-    def __init__(self, pending, wall: int, share: float) -> None:
-        self._pending, self._times = pending, (wall, share)
-
-    def journal(self, *journal) -> bool:
-        return self._pending.journal(*journal)
-
-    def wait(self):
-        return self._pending.wait()
-
-    def times(self):
-        return self._times
-
-
-@pytest.mark.parametrize(
-    ("wall", "share", "solo"),
-    [(10_000_000, 0.3, True), (10_000_000, 0.9, False), (100_000, 0.1, False)],
-    ids=["shared-cpus", "own-cpu", "too-short-to-judge"],
-)
-def test_a_worker_that_shared_its_cpu_hands_the_next_batches_to_the_callers_thread(
-    tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch, wall: int, share: float, solo: bool
-) -> None:
-    """After a batch whose worker was on a CPU for under ``SOLO_BUSY`` of a write judged long
-    enough, the next ``SOLO_BATCHES`` batches are written by the caller's thread alone (one
-    thread, each run hashed after its write), then a worker is tried again; a worker with a CPU
-    of its own, or a write too short to judge, changes nothing. Every page reads back."""
-    from kvtier.storage.segments import writer
-
-    calls: list[str] = []
-    write = native.write
-
-    def counted_write(*args):
-        calls.append(f"write threads={args[4]} after={args[6]}")
-        return write(*args)
-
-    def counted_start(*args, journal=None):
-        calls.append("worker")
-        return _Shared(_START(*args, journal=journal), wall, share)
-
-    monkeypatch.setattr(native, "write", counted_write)
-    monkeypatch.setattr(native, "write_start", counted_start)
-    b = create_backend("file", root=tmp_path / "l3")
-    pages = pages_of(8, 16 << 10, 9)
-    batches = writer.SOLO_BATCHES + 2
-    for i in range(batches):
-        assert b.set([PoolTransfer("kv", H[8 * i : 8 * i + 8], pages)]).all_ok
-    alone = "write threads=1 after=True"
-    want = ["worker", *[alone] * writer.SOLO_BATCHES, "worker"] if solo else ["worker"] * batches
-    assert calls == want
-    out = [torch.empty(16 << 10, dtype=torch.uint8) for _ in range(8)]
-    for i in range(batches):
-        assert b.get([PoolTransfer("kv", H[8 * i : 8 * i + 8], out)]).all_ok
-        assert all(torch.equal(o, p) for o, p in zip(out, pages))
     b.close()

@@ -414,7 +414,7 @@ def _open(target: Path, hash_at: int) -> object | None:
     lib.kvt_write_ended.restype = i32
     lib.kvt_write_ended.argtypes = (vp,)
     lib.kvt_write_wait.restype = None
-    lib.kvt_write_wait.argtypes = (vp, vp)  # out: int64[4]
+    lib.kvt_write_wait.argtypes = (vp, vp)
     lib.kvt_hash_records.restype = i32
     lib.kvt_hash_records.argtypes = (vp, vp, vp, vp, i32, vp, vp, vp)
     lib.kvt_encode_entries.restype = ctypes.c_int64
@@ -708,8 +708,7 @@ class Pending:
         self._keep = keep
         self._lib, self._handle = lib, handle
         self._done = threading.Lock()
-        # Written by the wait: journal written, its errno, the runs' wall and worker CPU ns.
-        self._out = (ctypes.c_int64 * 4)()
+        self._out = (ctypes.c_int32 * 2)()  # written by the wait: journal written, its errno
         # The wait, once: by ``wait``, or at collection.
         self._ended = weakref.finalize(self, lib.kvt_write_wait, handle, self._out)
 
@@ -739,14 +738,6 @@ class Pending:
             self._ended()  # a no-op after the first call
             self._keep = ()
         return bool(self._out[0]), int(self._out[1])
-
-    def times(self) -> tuple[int, float]:
-        """After ``wait``: (the write's ns from its start to its runs' end, the share of them
-        its worker was on a CPU). The share is near 1 where the worker had a CPU of its own,
-        well under it where the process's threads took turns on too few CPUs (or its writes
-        blocked), so that a second thread bought no overlap. (0, 1.0) before ``wait``."""
-        wall, cpu = int(self._out[2]), int(self._out[3])
-        return wall, (cpu / wall if wall > 0 else 1.0)
 
 
 def _hand_over(lib, handle: int, journal: tuple) -> int:

@@ -21,7 +21,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
-#include <time.h>
 #include <unistd.h>
 
 #define KVT_ABI 5
@@ -584,28 +583,16 @@ typedef struct {
     uint8_t *jbuf;    /* a copy of the entries */
     int32_t jdone;    /* out: the journal written (synced where asked) and the mtime set */
     int32_t jerr;     /* out: the errno of the journal's write, sync or mtime (jdone 0) */
-    int64_t submit_ns; /* CLOCK_MONOTONIC when submitted */
-    int64_t wall_ns;  /* out: from the submission to the runs' end */
-    int64_t cpu_ns;   /* out: the worker's own CPU time (user and system) over its runs */
 } kvt_pending;
-
-static int64_t now_ns(clockid_t clock) {
-    struct timespec t;
-    clock_gettime(clock, &t);
-    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
-}
 
 static void *write_runs(void *arg) {
     kvt_pending *p = arg;
     kvt_job *job = &p->job;
     int failed = 0;
-    int64_t cpu0 = now_ns(CLOCK_THREAD_CPUTIME_ID);
     for (int r = 0; r < job->nruns; r++) {
         one_run(job, NULL, &job->runs[r]); /* hashed by the caller: no hasher */
         failed |= job->runs[r].err != 0;
     }
-    p->cpu_ns = now_ns(CLOCK_THREAD_CPUTIME_ID) - cpu0;
-    p->wall_ns = now_ns(CLOCK_MONOTONIC) - p->submit_ns;
     pthread_mutex_lock(&pool_mu);
     int given = p->given;
     if (given != 1) p->given = 3; /* any entries handed over from now on are the caller's */
@@ -654,7 +641,6 @@ void *kvt_write_prepare(kvt_run *runs, int nruns, const uint64_t *rlen, const in
  * -1 if no worker could take it (nothing written; the handle is freed). */
 int kvt_write_submit(void *handle) {
     kvt_pending *p = handle;
-    p->submit_ns = now_ns(CLOCK_MONOTONIC);
     if (pool_submit(&p->task) != 0) {
         free(p->jbuf);
         free(p);
@@ -709,15 +695,13 @@ int kvt_write_ended(void *handle) {
 }
 
 /* Wait for a started write to end (each run's err set) and free its handle; out (or NULL):
- * jdone, jerr, wall_ns, cpu_ns (kvt_pending's; the last two 0 for a write from before a fork). */
-void kvt_write_wait(void *handle, int64_t *out) {
+ * jdone, jerr (kvt_pending's). */
+void kvt_write_wait(void *handle, int32_t *out) {
     kvt_pending *p = handle;
     pool_finish(&p->task, 0);
     if (out) {
         out[0] = p->jdone;
         out[1] = p->jerr;
-        out[2] = p->wall_ns;
-        out[3] = p->cpu_ns;
     }
     free(p->jbuf);
     free(p);

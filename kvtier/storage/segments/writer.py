@@ -10,9 +10,10 @@ lane, one of the library's worker threads writes every run while the caller hash
 and makes the share's journal entries and index records, then waits for the write; the worker
 writes the entries right after the runs (then stamps the segment) if they all succeeded and the
 entries were handed over before the runs ended, else the caller writes them. Otherwise one C
-call hashes and writes: a helper hashes while the caller writes, or (each lane of several, on
-its own thread) the caller hashes each run just before writing it, a record larger than a run
-in pieces of a run's size, as the Python loops do. The C loops take pages of
+call hashes and writes: a helper hashes while the caller writes, or, on one thread (each lane
+of several, or every batch with ``io_threads=0``), the caller hashes each run just before its
+write (just after it with ``io_threads=0``), a record larger than a run in pieces of a run's
+size, as the Python loops do. The C loops take pages of
 several parts (a page_first KV page's K and V ranges, hashed as one stream) where the binding
 has the streaming XXH3 calls (``native.takes``). Else, in the Python loops, each run is hashed
 (``PageViews.checksums``, which brings it into the core's cache) and written by the caller's
@@ -172,7 +173,6 @@ class Lane:
         self._name, self._roll_lock = name, roll_lock
         self._numbers = 0
         self._active: _Active | None = None
-        self._solo = 0  # batches left to write on the caller's thread alone (SOLO_BATCHES)
         self.native = config.native  # the C loops where they are built (native.available())
 
     @property
@@ -303,13 +303,11 @@ class Lane:
             # they come in time) and index records of the whole share, which are used as they
             # are unless a run fails. Without a worker (none could be started), one call: a
             # helper hashes while this thread writes (native_io.c).
-            solo = helpers > 0 and self._solo > 0
-            if solo:
-                self._solo -= 1
-            pending = native.write_start(lib, table, addr, size) if helpers and not solo else None
+            pending = native.write_start(lib, table, addr, size) if helpers else None
             if pending is None:
-                threads = 1 if solo else helpers + 1
-                got = native.write(lib, table, addr, size, threads, RUN_BYTES, solo).tolist()
+                after = self._config.io_threads == 0  # one thread: see SegmentBackendConfig
+                got = native.write(lib, table, addr, size, helpers + 1, RUN_BYTES, after)
+                got = got.tolist()
                 now = stamp()
             else:
                 try:
@@ -329,9 +327,6 @@ class Lane:
                     journaled, journal_err = pending.wait()  # the buffers are the caller's again
                     if journaled:  # at once: the next entries go after these, come what may
                         act.jend, act.seq, advanced = act.jend + len(journal), act.seq + k - j, True
-                    wall_ns, busy = pending.times()
-                    if wall_ns >= SOLO_JUDGED_NS and busy < SOLO_BUSY:
-                        self._solo = SOLO_BATCHES
                 except BaseException:
                     # The buffers are the caller's again only after the wait (a second wait
                     # returns the first's answer). Entries the worker wrote (an interrupt after
@@ -661,19 +656,6 @@ class Writer:
         for lane in self._lanes:
             lane.close(delete)
 
-
-SOLO_BUSY = 0.75
-SOLO_BATCHES = 32
-SOLO_JUDGED_NS = 500_000
-"""A lane's batch in the C loops with IO threads is written by a worker while the caller hashes
-(two threads, the copy and the checksums overlapped), unless its last such batch's worker was on
-a CPU for under ``SOLO_BUSY`` of the write's time (judged on writes of at least
-``SOLO_JUDGED_NS``): the process's threads then took turns on too few CPUs (two processes on
-two, say, or a CPU quota), and the next ``SOLO_BATCHES`` batches are written on the caller's
-thread alone, each run hashed right after its write, from the cache its copy left it in. Then
-the worker is tried again. Measured on the H100 host, 2 CPUs, 64 KiB pages
-(``storage_write_threads``): one process, worker 77% of raw (CPU 0.51 s/GB) against 62% (0.40)
-alone; two processes on one root, 42% against 60%."""
 
 LANE_MIN_RECORD = 128 << 10
 """Records smaller than this on average stay in one lane (its runs shared with the IO threads):
