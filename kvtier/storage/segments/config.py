@@ -29,7 +29,7 @@ class SegmentBackendConfig:
         more than 64 KiB release the GIL); 0: the caller's thread does everything, and in the
         C loops hashes each run right after writing it, from the cache the write's copy left
         it in: fewer CPU seconds per byte, the better choice where processes share few CPUs
-        (H100 host, 64 KiB pages, 2 CPUs: two processes on one root put 60-66% of raw
+        (H100 host, 64 KiB pages, 2 CPUs: two processes on one root put 56-66% of raw
         against 42-58% with the default; one process alone 62-95% against 77-116%).
     write_lanes: segments this process appends to at once: a batch of at least two runs'
         bytes is split among them by bytes, each share appended by one thread (the caller's and
