@@ -597,6 +597,33 @@ def test_a_child_forked_while_the_library_loads_does_not_wait_forever() -> None:
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+def test_a_build_deletes_libraries_no_process_loaded_for_a_month(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lib
+) -> None:
+    """Each load stamps its library; a build deletes the libraries (and digests) of other
+    sources or compilers unloaded for ``_STALE_S``, keeps recent ones and other files."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(cache))
+    assert native._load() is not None
+    (built,) = cache.glob("native_io-*.so")
+    month = time.time() - native._STALE_S - 3600
+    os.utime(built, (month, month))
+    assert native._load() is not None
+    assert built.stat().st_mtime > month + 3000, "a load stamps its library"
+    stale, recent = cache / "native_io-0000000000000000.so", cache / "native_io-1111.so"
+    other = cache / "notes.txt"
+    for f in (stale, native._digest_path(stale), recent, other):
+        f.write_bytes(b"x")
+    os.utime(stale, (month, month))
+    os.utime(built, (month, month))  # unloaded for a month from here
+    monkeypatch.setenv("CC", "cc -O1")  # another name: a build
+    assert native._load() is not None
+    assert not stale.exists() and not native._digest_path(stale).exists()
+    assert recent.exists() and other.exists()
+    assert not built.exists(), "unloaded for a month, and not this build's"
+    assert len(list(cache.glob("native_io-*.so"))) == 2  # recent, and the new build
+
+
 def test_a_build_that_hangs_is_cut_off_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -214,7 +214,7 @@ def _build(target: Path, cc: list[str]) -> bool:
     """Compile ``native_io.c`` to ``target`` with ``cc`` (through a temporary name, synced,
     its digest written first, then renamed: a crash never leaves a partial library under the
     final name); whether it worked (a failure logged with the compiler's words)."""
-    _sweep(target.parent)
+    _sweep(target.parent, keep=target)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
@@ -271,14 +271,28 @@ def _build(target: Path, cc: list[str]) -> bool:
             os.unlink(tmp)
 
 
-def _sweep(where: Path) -> None:
+_STALE_S = 30 * 86400.0
+"""A library (of another source, compiler or kvtier version) no process has loaded for this long
+is deleted at the next build: each load stamps its library's mtime, so versions in use side by
+side keep theirs, and upgrades do not pile libraries up in the cache."""
+
+
+def _sweep(where: Path, keep: Path | None = None) -> None:
     """Delete temporary files of builds that died (killed mid-build: their process never
-    removed them) once they are older than any build could be."""
+    removed them) once they are older than any build could be, and libraries (with their
+    digests) no process has loaded for ``_STALE_S``, except ``keep``."""
     now = time.time()
     for tmp in where.glob("native_io-*.so.*.tmp"):
         with contextlib.suppress(OSError):
             if now - tmp.lstat().st_mtime > 2 * _BUILD_TIMEOUT_S:
                 tmp.unlink()
+    for old in where.glob("native_io-*.so"):
+        if old == keep:
+            continue
+        with contextlib.suppress(OSError):
+            if now - old.lstat().st_mtime > _STALE_S:
+                old.unlink()
+                _digest_path(old).unlink(missing_ok=True)
 
 
 def _compiler() -> list[str]:
@@ -321,6 +335,8 @@ def _load() -> object | None:
                 return None  # logged; building again would fail alike
         lib = _open(target, hash_at)
         if lib is not None and _self_test(lib):
+            with contextlib.suppress(OSError):
+                os.utime(target)  # in use: not stale (_STALE_S)
             return lib
         log.warning(
             "segment store: the C loops at %s %s",
