@@ -331,3 +331,114 @@ def test_a_disk_full_of_other_files_does_not_wipe_the_store(tmp_path: Path, monk
     out = [torch.zeros(16 << 10, dtype=torch.uint8) for _ in keys]
     assert b.get([PoolTransfer("kv", keys, out)]).all_ok, "the store was wiped for nothing"
     b.close()
+
+
+def test_writers_beyond_a_capped_roots_room_get_smaller_segments(tmp_path: Path) -> None:
+    """Each writer's active segment is held, never evicted: with more writers than whole
+    segments fit under the capacity (two TP=8 engines on one root, say), a new segment takes
+    half of what is left: after the first rounds every put is stored (while each new segment
+    had to be whole, five writers in eight failed round after round, and every failed roll
+    evicted every finished segment). The root stays under its capacity; pages read back
+    exact."""
+    root = tmp_path / "l3"
+    record = RECORD_HEAD + PAGE
+    cap = 128 * record
+    kw = dict(capacity_bytes=cap, segment_bytes=32 * record, io_threads=0)
+    hashes = page_hashes(range(4 * 24 * 32), NS)
+    writers = [store(root, **kw) for _ in range(8)]  # whole segments: three fit
+    failed: list[int] = []
+    for rnd in range(24):
+        failed.append(0)
+        for i, w in enumerate(writers):
+            keys = hashes[(rnd * 8 + i) * 4 : (rnd * 8 + i + 1) * 4]
+            ok = w.set([PoolTransfer("kv", keys, [expected(h) for h in keys])]).ok["kv"]
+            failed[-1] += ok.count(False)
+        on_disk = sum(p.stat().st_size for p in root.iterdir() if p.suffix in (".kvs", ".kvj"))
+        assert on_disk <= cap, (rnd, on_disk, cap)
+    assert failed[-12:] == [0] * 12, failed
+    reader = store(root, **kw)  # the last round's pages: those still held are exact
+    keys = hashes[23 * 32 : 24 * 32]
+    out = [torch.zeros(PAGE, dtype=torch.uint8) for _ in keys]
+    ok = reader.get([PoolTransfer("kv", keys, out)]).ok["kv"]
+    # Under this little room a writer's finished segments go soon, even its own from the same
+    # batch; its active segment's pages stay: the last put's last page, at least.
+    assert ok[-1], ok
+    assert all(torch.equal(o, expected(h)) for o, h, good in zip(out, keys, ok) if good)
+    for w in (*writers, reader):
+        w.close()
+
+
+def test_room_that_cannot_be_made_deletes_nothing(tmp_path: Path) -> None:
+    """``Space.make_room``: segments other writers hold (locked) leave less than ``least``
+    under the capacity, so no grant: the finished segments stay (before, each such roll
+    deleted every one of them, then failed). With room for ``least`` but not ``need``, that
+    room is granted and only what it takes goes, least recently used first; the held ones
+    never go."""
+    import fcntl
+
+    root = tmp_path / "l3"
+    b = store(root, capacity_bytes=1 << 20)
+    space = b._space
+    unit = 64 << 10
+
+    def segment(name: str, size: int, age: int) -> int:
+        fds = []
+        for ext in ("kvs", "kvj"):
+            fd = os.open(root / f"{name}.{ext}", os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, size if ext == "kvs" else space_module.journal_reserve(size))
+            os.utime(fd, ns=(age, age))
+            fds.append(fd)
+        os.close(fds[1])
+        return fds[0]
+
+    held = [segment(f"1-0000000{i}-00000001", 3 * unit, 10**18) for i in range(3)]
+    for fd in held:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a writer's active segment
+    finished = [segment(f"2-0000000{i}-00000001", unit, 10**9 * (i + 1)) for i in range(2)]
+    for fd in finished:
+        os.close(fd)
+
+    def segments() -> list[str]:
+        return sorted(p.name for p in root.iterdir() if p.suffix in (".kvs", ".kvj"))
+
+    names = segments()
+    used = sum(space_module._accounted(f) for f in space.listing().values())
+    cap = used + unit // 2  # room for half a unit without deleting anything
+    with space.lock:
+        assert space.make_room(4 * unit, cap, least=3 * unit) == 0
+        assert segments() == names, "nothing deleted"
+        granted = space.make_room(4 * unit, cap, least=unit)
+    assert unit <= granted < 4 * unit
+    left = segments()
+    assert all(f"1-0000000{i}-00000001.kvs" in left for i in range(3)), "held ones stay"
+    assert "2-00000000-00000001.kvs" not in left, "the least recently used went"
+    for fd in held:
+        os.close(fd)
+    b.close()
+
+
+def test_a_writer_left_no_room_fails_its_pages_and_changes_nothing(tmp_path: Path) -> None:
+    """Writers, each holding its active segment, until the segments held leave less than a
+    record under the capacity: that writer's puts fail (counted), again on a second try, and
+    leave the root's segments as they were."""
+    root = tmp_path / "l3"
+    record = RECORD_HEAD + PAGE
+    cap = 32 * record
+    kw = dict(capacity_bytes=cap, segment_bytes=8 * record, io_threads=0)
+    holders, stored = [], 0
+    for i in range(40):  # writers until one gets no room at all
+        w = store(root, **kw)
+        holders.append(w)
+        keys = [H[200 + i]]
+        if not w.set([PoolTransfer("kv", keys, [expected(h) for h in keys])]).all_ok:
+            break
+        stored += 1
+    else:
+        pytest.fail("every writer got a segment: the room never ran out")
+    assert stored >= 4
+    before = sorted(p.name for p in root.iterdir())
+    refused = holders[-1]
+    assert not refused.set([PoolTransfer("kv", [H[250]], [expected(H[250])])]).all_ok
+    assert sorted(p.name for p in root.iterdir()) == before
+    for w in holders:
+        w.close()

@@ -76,17 +76,20 @@ class Space:
     def used_bytes(self) -> int:
         return sum(st.st_size for f in self.listing().values() for st in f.values())
 
-    def make_room(self, need: int, cap: int | None) -> bool:
+    def make_room(self, need: int, cap: int | None, least: int | None = None) -> int:
         """Delete whole segments until ``need`` more bytes fit under ``cap`` (root lock held);
-        ``cap`` None: until ``need`` bytes are freed (a full disk)."""
+        the bytes granted: ``need``, or 0 if that room cannot be made, in which case nothing is
+        deleted. With ``least``: where the segments other writers hold (their active ones,
+        never deleted) leave less than ``need`` under ``cap``, as much as they leave, if that
+        is at least ``least``. ``cap`` None: until ``need`` bytes are freed (a full disk)."""
         files = self.listing()
         used = sum(_accounted(f) for f in files.values())
         if cap is None:
             if used < need:  # the disk is full of other files: wiping the store would not do
-                return False
+                return 0
             cap = used
         if used + need <= cap:
-            return True
+            return need
         with self._index.mutex:
             own = self._index.writers
             # Live counts known to be whole: this process's own segments (it indexes what it
@@ -112,12 +115,40 @@ class Space:
             dead = live.get(stem) == 0 and stem not in tombs
             return (1 if dead else 2, f["kvs"].st_mtime_ns)
 
-        for stem in sorted(files, key=order):
-            if used + need <= cap:
+        # What deleting could free, known before anything goes: the segments in eviction order
+        # up to the room wanted, less those a writer holds (probed, lock by lock).
+        candidates, freeable, held = sorted(files, key=order), 0, set()
+        for stem in candidates:
+            if used - freeable + need <= cap:
                 break
-            if self.delete(stem, files[stem]):
+            if self._held(stem, files[stem]):
+                held.add(stem)
+            else:
+                freeable += _accounted(files[stem])
+        grant = need if used - freeable + need <= cap else cap - (used - freeable)
+        if grant < need and (least is None or grant < least):
+            return 0  # nothing deleted for room that would still not do
+        for stem in candidates:
+            if used + grant <= cap:
+                break
+            if stem not in held and self.delete(stem, files[stem]):
                 used -= _accounted(files[stem])
-        return used + need <= cap
+        return grant if used + grant <= cap else 0
+
+    def _held(self, stem: str, files: Files) -> bool:
+        """Whether a writer holds the segment (its active one), probed without deleting it."""
+        if "kvs" not in files:
+            return False
+        fd = open_regular(self._dirfd, stem + ".kvs")
+        if fd is None:
+            return False  # gone, or not ours: delete() decides
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # the probe's lock goes with its descriptor
+        return False
 
     def delete(self, stem: str, files: Files, held_fd: int | None = None) -> bool:
         """Delete a segment and its journal unless a writer holds it (root lock held). Space
