@@ -538,9 +538,8 @@ static void *hash_all(void *arg) {
  * each run (piece) is hashed right after its write, from the cache the write's copy left it in,
  * instead of just before (64 KiB records on the H100 host, 2 CPUs: CPU 0.40 against 0.43 s/GB,
  * 62% against 57% of raw; two processes 60% against 55%: its XXH3 reads memory at 7.9 GB/s and
- * the cache at 17.9). 0; -2 if a record
- * could not be hashed (no memory for a hash state: its checksum is void, the runs written); -3
- * (parts without a stream: nothing written). */
+ * the cache at 17.9). 0; -2 if a record could not be hashed (no memory for a hash state: its
+ * checksum is void, the runs written); -3 (parts without a stream: nothing written). */
 int kvt_write(kvt_run *runs, int nruns, const uint64_t *rlen, const int64_t *pstart,
               const uint64_t *paddr, const uint64_t *plen, uint64_t *sums, int threads,
               int64_t piece, int after, kvt_hash hash, const kvt_stream *stream) {
