@@ -51,7 +51,7 @@ _write = native_module.write
 
 def _whole(*args, **kwargs):
     """``native.write`` with every record hashed whole before its run is written."""
-    return _write(*args[:5], 0)
+    return _write(*args[:5], 0, *args[6:], **kwargs)
 
 
 def timed(fn: Callable[[], None], nbytes: int) -> tuple[float, float]:

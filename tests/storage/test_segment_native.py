@@ -842,19 +842,49 @@ def test_a_large_record_on_one_thread_is_hashed_and_written_piece_by_piece(
                 assert not in_parts or {offsets[1], end} <= set(seen)  # records 0, 3: parts
         if in_parts:
             return
-        # The file may not grow past its last record's first piece and 5 bytes.
+        whole = b"".join(q.numpy().tobytes() for q in pages)
+        for threads, table_ in ((2, runs()), (1, native.make_runs([fd], [lead], [0], [2]))):
+            # A helper hashes (threads 2: one-shot, no piece of the caller's), or a large
+            # record leads a run of two (pieces are for a run of one): each written whole.
+            os.ftruncate(fd, lead)
+            seen.clear()
+            sums = native.write(lib, table_, parts, lengths, threads, piece, after)
+            assert not table_["err"].any() and seen == []
+            assert sums.tolist()[: table_["count"].sum()] == want[: table_["count"].sum()]
+            got = os.pread(fd, end, lead)
+            assert got == whole[: len(got)] and len(got) >= sizes[0] + sizes[1]
+        for limit, err, hashed in (
+            # The file may not grow past the last record's first piece and 5 bytes...
+            (offsets[2] + piece + 5, [0, 0, errno.EFBIG], None),
+            # ... or past the first record's: the rest of its pieces are neither hashed nor
+            # tried (the last record's first piece is, hashed first, then refused).
+            (
+                lead + piece + 5,
+                [errno.EFBIG] * 3,
+                [lead + piece] if after else [0, lead + piece, lead + piece + 5],
+            ),
+        ):
+            os.ftruncate(fd, 0)
+            seen.clear()
+            old = resource.getrlimit(resource.RLIMIT_FSIZE)
+            handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+            try:
+                table_ = runs()
+                native.write(lib, table_, parts, lengths, 1, piece, after)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, old)
+                signal.signal(signal.SIGXFSZ, handler)
+            assert table_["err"].tolist() == err
+            assert os.fstat(fd).st_size == limit
+            assert hashed is None or seen == hashed, seen
+        # Without the binding's streaming calls, a large record of one part is written whole.
+        monkeypatch.setattr(lib, "stream_at", None)
         os.ftruncate(fd, 0)
-        old = resource.getrlimit(resource.RLIMIT_FSIZE)
-        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (offsets[2] + piece + 5, old[1]))
-        try:
-            table_ = runs()
-            native.write(lib, table_, parts, lengths, 1, piece, after)
-        finally:
-            resource.setrlimit(resource.RLIMIT_FSIZE, old)
-            signal.signal(signal.SIGXFSZ, handler)
-        assert table_["err"].tolist() == [0, 0, errno.EFBIG]
-        assert os.fstat(fd).st_size == offsets[2] + piece + 5
+        table_ = runs()
+        addr = np.array([p.data_ptr() for p in pages], dtype=np.uint64)  # one part each
+        assert native.write(lib, table_, addr, lengths, 1, piece, after).tolist() == want
+        assert os.pread(fd, end + 1, 0)[lead:] == whole
     finally:
         os.close(fd)
 
@@ -866,8 +896,9 @@ def test_a_large_record_on_one_thread_is_hashed_and_written_piece_by_piece(
         ({"io_threads": 0}, 16 << 10, "write threads=1 piece=262144 after=True"),
         ({"io_threads": 0}, 1 << 20, "write threads=1 piece=262144 after=True"),
         ({"write_lanes": 2}, 1 << 20, "write threads=1 piece=262144 after=False"),
+        ({"no worker": True}, 16 << 10, "write threads=2 piece=262144 after=False"),
     ],
-    ids=["default", "io_threads-0", "io_threads-0-large", "lanes"],
+    ids=["default", "io_threads-0", "io_threads-0-large", "lanes", "no-worker"],
 )
 def test_each_arrangement_of_a_put_takes_its_write_call(
     tmp_path: Path, lib, monkeypatch: pytest.MonkeyPatch, config: dict, page: int, want: str
@@ -875,7 +906,8 @@ def test_each_arrangement_of_a_put_takes_its_write_call(
     """Small pages by default: a worker writes (the caller hashes beside it). With
     ``io_threads=0``: one call on the caller's thread, each run hashed right after its write
     (fewer CPU seconds a byte), large records in pieces of a run. Each lane of several: one
-    call on its thread, each run hashed just before its write, in pieces. Pages read back."""
+    call on its thread, each run hashed just before its write, in pieces. No worker to be
+    had: one call, a helper hashing while the caller writes. Pages read back."""
     calls: list[str] = []
     write, start = native.write, native.write_start
 
@@ -886,6 +918,11 @@ def test_each_arrangement_of_a_put_takes_its_write_call(
     def counted_start(*args, **kwargs):
         calls.append("worker")
         return start(*args, **kwargs)
+
+    if config.pop("no worker", False):  # none could be had: one call, a helper hashing
+
+        def counted_start(*args, **kwargs):
+            return None
 
     monkeypatch.setattr(native, "write", counted_write)
     monkeypatch.setattr(native, "write_start", counted_start)
@@ -956,6 +993,21 @@ def test_a_hash_state_that_cannot_be_made_fails_the_call_not_the_records(
                 native.write(lib, native.make_runs([fd], [0], [0], [3]), parts, lengths, threads)
         with pytest.raises(MemoryError):  # the large record, a run of its own, in pieces
             native.write(lib, native.make_runs([fd], [2000], [2], [1]), parts, lengths, 1, 4096)
+        # A large record of one part needs no state: without one it is written whole, its sum
+        # the one-shot hash's.
+        one = native.Parts(
+            np.array([0, 1], dtype=np.int64),
+            np.array([base], dtype=np.uint64),
+            np.array([18000], dtype=np.uint64),
+        )
+        fd2 = os.open(tmp_path / "g", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            n = np.array([18000], np.uint64)
+            got = native.write(lib, native.make_runs([fd2], [0], [0], [1]), one, n, 1, 4096)
+            assert got.tolist() == [xxhash.xxh3_64_intdigest(data[:18000].numpy().tobytes())]
+            assert os.pread(fd2, 18001, 0) == data[:18000].numpy().tobytes()
+        finally:
+            os.close(fd2)
         back = torch.zeros_like(data)
         into = native.Parts(
             parts.start, parts.addr - np.uint64(base) + np.uint64(back.data_ptr()), parts.size

@@ -11,7 +11,8 @@
  * KV page: its K range and its V range); without `pstart` (NULL) part k is record k. Buffers
  * next to each other in memory become one iovec. The checksum is XXH3-64 of a record's bytes,
  * through the function pointers the caller passes (the xxhash binding's own: one-shot for a
- * record of one part, streaming for one of several), so both paths hash with the same code.
+ * record of one part, streaming for one of several and for a large record read, or hashed and
+ * written, in pieces), so both paths hash with the same code.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -30,7 +31,8 @@
 typedef uint64_t (*kvt_hash)(const void *, size_t);
 
 /* XXH3-64's streaming calls, the binding's own (XXH3_createState, _freeState, _64bits_reset,
- * _64bits_update, _64bits_digest): a large record is hashed piece by piece as it lands. */
+ * _64bits_update, _64bits_digest): a large record is hashed piece by piece as it lands (a read)
+ * or goes (a write). */
 typedef struct {
     void *(*create)(void);
     int (*destroy)(void *);
