@@ -24,6 +24,8 @@ class SegmentBackendConfig:
     segment_bytes: size a segment is preallocated to (a page larger than it gets one of its own);
         ``None``: 64 MiB, or an eighth of ``capacity_bytes`` shared by the write lanes if
         smaller, so that eviction (whole segments) is fine-grained. At most ``capacity_bytes``.
+        Less where the other writers' active segments leave less than that under the capacity
+        (many writers on one root): half of the room they leave, down to the next record.
     io_threads: threads per direction that share a batch's runs of records with the caller's
         thread (each run: one ``preadv`` or ``pwritev`` and its checksums; syscalls and XXH3 of
         more than 64 KiB release the GIL); 0: the caller's thread does everything, and in the

@@ -6,9 +6,14 @@ the sizes of every segment and journal in the root, and while the new segment (p
 reservation) does not fit under ``capacity_bytes`` deletes whole segments: first leftovers (a
 segment without its journal or the reverse), then segments none of whose records the index still
 uses (all superseded or dropped; known only where the index has read the whole journal), then
-the least recently used by file mtime. Writers stamp their segment's mtime after every batch and
-readers stamp a segment they read from (at most once per ``touch_interval_s``), so mtime order
-is an LRU order at segment granularity, shared by every process and kept across restarts.
+the least recently used by file mtime. It first finds out what deleting could free, trying each
+candidate's lock in that order (a writer's active segment is never deleted): where the segments
+other writers hold leave less than the new one needs, it deletes nothing, or, for a writer that
+can do with less, deletes for a smaller segment in half of the room they leave (many writers on
+one capped root), down to the writer's next record. Writers stamp their segment's mtime after
+every batch and readers stamp a segment they read from (at most once per ``touch_interval_s``),
+so mtime order is an LRU order at segment granularity, shared by every process and kept across
+restarts.
 
 A writer holds ``flock(LOCK_SH)`` on its active segment from creation until it moves on, and a
 segment is deleted only while ``flock(LOCK_EX | LOCK_NB)`` on it holds: no process deletes what
@@ -80,8 +85,10 @@ class Space:
         """Delete whole segments until ``need`` more bytes fit under ``cap`` (root lock held);
         the bytes granted: ``need``, or 0 if that room cannot be made, in which case nothing is
         deleted. With ``least``: where the segments other writers hold (their active ones,
-        never deleted) leave less than ``need`` under ``cap``, as much as they leave, if that
-        is at least ``least``. ``cap`` None: until ``need`` bytes are freed (a full disk)."""
+        never deleted) leave less than ``need`` under ``cap``, half of what they leave (so that
+        another writer can start too), at least ``least`` if they leave that much; only what
+        the grant takes is deleted. ``cap`` None: until ``need`` bytes are freed (a full
+        disk)."""
         files = self.listing()
         used = sum(_accounted(f) for f in files.values())
         if cap is None:
@@ -128,6 +135,8 @@ class Space:
         grant = need if used - freeable + need <= cap else cap - (used - freeable)
         if grant < need and (least is None or grant < least):
             return 0  # nothing deleted for room that would still not do
+        if grant < need:
+            grant = max(least, grant // 2)
         for stem in candidates:
             if used + grant <= cap:
                 break

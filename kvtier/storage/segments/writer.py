@@ -500,15 +500,14 @@ class Lane:
             with self._roll_lock, self._space.lock:
                 if cap is not None:
                     # Room for a whole segment, else (other writers' active segments hold the
-                    # rest: many writers on one capped root) a smaller one, half of what is
-                    # left (so another writer can start too), at least the next record.
+                    # rest: many writers on one capped root) a smaller one, in half of what
+                    # they leave (so another writer can start too), at least the next record.
                     least = need + journal_reserve(need) if size else size + jcap
                     granted = self._space.make_room(size + jcap, cap, least)
                     if not granted:
                         return None
-                    if granted < size + jcap:
-                        budget = max(least, granted // 2)
-                        size = max(need, budget - journal_reserve(budget))
+                    if granted < size + jcap:  # its journal's reservation inside the grant
+                        size = max(need, granted - journal_reserve(granted))
                         jcap = journal_reserve(size)
                 fd = create_file(self._dirfd, stem + ".kvs", mode)
                 fcntl.flock(fd, fcntl.LOCK_SH)  # no process deletes it while we write it
