@@ -489,7 +489,8 @@ def test_the_loader_builds_privately_and_refuses_what_it_cannot_trust(
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "fresh"))
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     assert native._load() is None
-    assert not list((tmp_path / "fresh").iterdir())
+    (mark,) = (tmp_path / "fresh").iterdir()  # nothing but the failure's marker
+    assert mark.name.endswith(".so.failed") and stat.S_IMODE(mark.stat().st_mode) == 0o600
 
     # A build killed mid-way leaves its temporary file: swept once older than any build.
     dead, live = (tmp_path / "fresh" / f"{built.name}.{tag}.tmp" for tag in ("dead", "live"))
@@ -497,6 +498,7 @@ def test_the_loader_builds_privately_and_refuses_what_it_cannot_trust(
     live.write_bytes(b"a build in progress")
     old = time.time() - 3 * native._BUILD_TIMEOUT_S
     os.utime(dead, (old, old))
+    mark.unlink()  # a build is tried again at once
     assert native._load() is None  # still no compiler
     assert not dead.exists() and live.exists()
 
@@ -638,7 +640,39 @@ def test_a_build_that_hangs_is_cut_off_and_leaves_nothing(
     start = time.monotonic()
     assert native._load() is None
     assert time.monotonic() - start < 30, "the build's time limit held"
-    assert not list((tmp_path / "cache").iterdir())
+    left = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert len(left) == 1 and left[0].endswith(".so.failed"), left  # the failure's marker only
+
+
+def test_a_failed_build_is_not_tried_again_for_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compiler that fails: the next loads (each process start, say) do not run it again
+    while the failure's marker is younger than ``_RETRY_S``; an older marker, or none, and
+    the build is tried again; the marker of a build that worked is swept."""
+    calls = tmp_path / "calls"
+    failing = tmp_path / "failcc"
+    failing.write_text(f"#!/bin/sh\necho x >> {calls}\nexit 1\n")
+    failing.chmod(0o700)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CC", str(failing))
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(cache))
+    assert native._load() is None
+    assert native._load() is None
+    assert calls.read_text().count("x") == 1, "tried once"
+    (mark,) = cache.glob("*.so.failed")
+    old = time.time() - native._RETRY_S - 60
+    os.utime(mark, (old, old))
+    assert native._load() is None
+    assert calls.read_text().count("x") == 2, "tried again once the marker aged"
+    assert mark.stat().st_mtime > old + 30, "and marked again"
+    mark.unlink()
+    assert native._load() is None
+    assert calls.read_text().count("x") == 3, "tried at once without the marker"
+    os.utime(mark, (old, old))
+    monkeypatch.delenv("CC")  # another compiler: another library, built
+    assert native._load() is not None
+    assert not mark.exists(), "an aged marker is swept by a build"
 
 
 def test_the_cache_guards_against_cut_files_other_compilers_and_open_parents(

@@ -286,6 +286,10 @@ def _sweep(where: Path, keep: Path | None = None) -> None:
         with contextlib.suppress(OSError):
             if now - tmp.lstat().st_mtime > 2 * _BUILD_TIMEOUT_S:
                 tmp.unlink()
+    for mark in where.glob("native_io-*.so.failed"):
+        with contextlib.suppress(OSError):
+            if now - mark.lstat().st_mtime > _RETRY_S:
+                mark.unlink()
     for old in where.glob("native_io-*.so"):
         if old == keep:
             continue
@@ -331,7 +335,16 @@ def _load() -> object | None:
             if not cc[0]:
                 log.warning("segment store: no C compiler ($CC, cc, gcc): the Python loops run")
                 return None
+            if _failed_lately(target):
+                log.info(
+                    "segment store: the C loops' build failed within %gs (%s): the Python loops"
+                    " run",
+                    _RETRY_S,
+                    _failed_path(target),
+                )
+                return None
             if not _build(target, cc):
+                _mark_failed(target)
                 return None  # logged; building again would fail alike
         lib = _open(target, hash_at)
         if lib is not None and _self_test(lib):
@@ -349,6 +362,32 @@ def _load() -> object | None:
             with contextlib.suppress(OSError):
                 stale.unlink()
     return None
+
+
+_RETRY_S = 3600.0
+"""A build that failed is not tried again by any process for this long (a marker beside the
+library, ``<library>.failed``): each process start would otherwise pay a compile and log its
+failure again. Delete the marker to try at once (after installing a compiler, say)."""
+
+
+def _failed_path(target: Path) -> Path:
+    return target.with_name(target.name + ".failed")
+
+
+def _failed_lately(target: Path) -> bool:
+    """Whether a build of ``target`` failed less than ``_RETRY_S`` ago."""
+    try:
+        return time.time() - _failed_path(target).lstat().st_mtime < _RETRY_S
+    except OSError:
+        return False
+
+
+def _mark_failed(target: Path) -> None:
+    """Leave the failure marker (an empty file, this user's alone)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(_failed_path(target), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        os.utime(_failed_path(target))
 
 
 def _digest_path(target: Path) -> Path:
