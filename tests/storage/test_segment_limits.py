@@ -510,39 +510,3 @@ def test_small_records_in_smaller_segments_stay_under_the_capacity(tmp_path: Pat
     assert smaller, "no segment was made smaller"
     for w in writers:
         w.close()
-
-
-@pytest.mark.parametrize("capped", [True, False], ids=["capped", "uncapped"])
-def test_an_idle_writer_gives_its_unused_room_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capped: bool
-) -> None:
-    """Under a capacity, a writer idle for ``IDLE_RELEASE_S`` finishes its active segment at
-    its next lookup or get: the segment shrinks to its records (the room goes back to the root
-    for other writers' whole segments), its pages stay served, and its next put starts a new
-    segment. Not before that time, and never without a capacity."""
-    from kvtier.storage.segments import store as store_module
-
-    root = tmp_path / "l3"
-    record = RECORD_HEAD + PAGE
-    kw = dict(segment_bytes=16 * record, io_threads=0)
-    if capped:
-        kw["capacity_bytes"] = 64 * record
-    a = store(root, **kw)
-    assert a.set([PoolTransfer("kv", [H[0]], [expected(H[0])])]).all_ok
-    (seg,) = root.glob("*.kvs")
-    assert seg.stat().st_size == 16 * record
-    assert a.exists([PoolTransfer("kv", [H[0]])]) == 1  # not idle yet
-    assert seg.stat().st_size == 16 * record
-    monkeypatch.setattr(store_module, "IDLE_RELEASE_S", 0.0)
-    out = [torch.zeros(PAGE, dtype=torch.uint8)]
-    assert a.get([PoolTransfer("kv", [H[0]], out)]).all_ok
-    assert torch.equal(out[0], expected(H[0]))
-    assert seg.stat().st_size == (record if capped else 16 * record)
-    assert a.set([PoolTransfer("kv", [H[1]], [expected(H[1])])]).all_ok
-    assert len(list(root.glob("*.kvs"))) == (2 if capped else 1)
-    reader = store(root, **kw)
-    back = [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(2)]
-    assert reader.get([PoolTransfer("kv", H[:2], back)]).all_ok
-    assert all(torch.equal(b, expected(h)) for b, h in zip(back, H[:2]))
-    for x in (a, reader):
-        x.close()

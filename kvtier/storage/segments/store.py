@@ -69,11 +69,9 @@ import contextlib
 import functools
 import gc
 import logging
-import math
 import os
 import stat
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -100,10 +98,6 @@ log = logging.getLogger(__name__)
 
 _LOCK_NAME = "lock"
 _SEGMENT_BYTES = 64 << 20
-IDLE_RELEASE_S = 30.0
-"""Under a capacity, a writer that has appended nothing for this long gives the unused part of
-its active segments back at its next get or lookup (a writer's active segment is never evicted:
-an idle one would otherwise keep other writers of the root on smaller segments, or none)."""
 
 
 @contextlib.contextmanager
@@ -309,7 +303,6 @@ class SegmentBackend(StorageBackend):
         self._gate = _Gate(self.root)
         self._pid = os.getpid()
         self._append = threading.Lock()  # this process's appends (and compactions), in order
-        self._appended = time.monotonic()  # the last append's time (inf: room given back since)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pools_mutex = threading.Lock()
         self._dirfd = open_root(self.root, config.dir_mode, config.allow_unsafe_root)
@@ -374,25 +367,8 @@ class SegmentBackend(StorageBackend):
 
     # -- StorageBackend --------------------------------------------------------------------------
 
-    def _release_idle(self) -> None:
-        """Give an idle writer's unused preallocation back (``IDLE_RELEASE_S``), unless an
-        append is in flight."""
-        if self.config.capacity_bytes is None:
-            return
-        if time.monotonic() - self._appended < IDLE_RELEASE_S:
-            return
-        if not self._append.acquire(blocking=False):
-            return
-        try:
-            if time.monotonic() - self._appended >= IDLE_RELEASE_S:
-                self._writer.release()
-                self._appended = math.inf  # until the next append
-        finally:
-            self._append.release()
-
     @_gated
     def _contains(self, object_keys: list[str]) -> list[bool]:
-        self._release_idle()
         index = self._index
         with index.mutex:
             entries = index.entries
@@ -401,7 +377,6 @@ class SegmentBackend(StorageBackend):
 
     @_gated
     def _read(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
-        self._release_idle()
         ok, bad = self._reader.read(object_keys, pages)
         if bad:
             self.metrics.add_checksum_miss(bad)
@@ -442,7 +417,6 @@ class SegmentBackend(StorageBackend):
             views = PageViews(some)
             with self._append:
                 done = self._writer.append(keys, views, views.lengths())
-                self._appended = time.monotonic()
                 try:
                     _, bad = self._compactor.step()
                 except Exception:  # housekeeping: it must never fail the pages just stored
@@ -478,7 +452,6 @@ class SegmentBackend(StorageBackend):
             return [absent_ok] * len(object_keys)
         with self._append:
             done = dict(zip(present, self._writer.tombstone(present)))
-            self._appended = time.monotonic()
         return [done.get(k, absent_ok) for k in object_keys]
 
     # -- lifecycle -------------------------------------------------------------------------------

@@ -578,15 +578,6 @@ class Lane:
             self._finish(self._active, delete)
             self._active = None
 
-    def release(self) -> bool:
-        """Finish the active segment early if part of its preallocation is unused, giving that
-        room back to the root (the next append starts a new segment); whether it did."""
-        act = self._active
-        if act is None or act.end >= act.size:
-            return False
-        self.close()
-        return True
-
 
 class Writer:
     """This process's appends, through ``lanes`` write lanes (segments appended to at once):
@@ -668,10 +659,6 @@ class Writer:
     def tombstone(self, keys: list[str], times: Sequence[int] | None = None) -> list[bool]:
         """``Lane.tombstone`` in the first lane."""
         return self._lanes[0].tombstone(keys, times)
-
-    def release(self) -> int:
-        """``Lane.release`` for every lane: how many segments were finished."""
-        return sum(lane.release() for lane in self._lanes)
 
     def close(self, delete: bool = False) -> None:
         """Finish every lane's active segment (deleting them with ``delete``)."""
