@@ -669,6 +669,10 @@ def test_a_failed_build_is_not_tried_again_for_a_while(
     mark.unlink()
     assert native._load() is None
     assert calls.read_text().count("x") == 3, "tried at once without the marker"
+    ahead = time.time() + 30 * 86400  # written while the clock was a month ahead
+    os.utime(mark, (ahead, ahead))
+    assert native._load() is None
+    assert calls.read_text().count("x") == 4, "a marker from the future does not hold"
     os.utime(mark, (old, old))
     monkeypatch.delenv("CC")  # another compiler: another library, built
     assert native._load() is not None
@@ -1093,3 +1097,25 @@ def test_a_trusted_record_cut_short_is_never_served(tmp_path: Path, lib, in_part
             assert status.tolist() == [2] and err == 0
     finally:
         os.close(fd)
+
+
+def test_a_library_that_never_tests_right_is_not_built_again_for_a_while(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built, then rebuilt, and each time its self-test fails: the failure's marker keeps the
+    next loads (each process start) from building it twice again within ``_RETRY_S``."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    builds: list[Path] = []
+    build = native._build
+
+    def counted(target, cc):
+        builds.append(target)
+        return build(target, cc)
+
+    monkeypatch.setattr(native, "_build", counted)
+    monkeypatch.setattr(native, "_self_test", lambda lib: False)
+    assert native._load() is None
+    assert len(builds) == 2, "built, then rebuilt once"
+    assert native._load() is None
+    assert len(builds) == 2, "not built again"
+    assert list((tmp_path / "cache").glob("*.so.failed"))

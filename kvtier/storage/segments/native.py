@@ -288,7 +288,7 @@ def _sweep(where: Path, keep: Path | None = None) -> None:
                 tmp.unlink()
     for mark in where.glob("native_io-*.so.failed"):
         with contextlib.suppress(OSError):
-            if now - mark.lstat().st_mtime > _RETRY_S:
+            if abs(now - mark.lstat().st_mtime) > _RETRY_S:
                 mark.unlink()
     for old in where.glob("native_io-*.so"):
         if old == keep:
@@ -361,6 +361,7 @@ def _load() -> object | None:
         for stale in (target, _digest_path(target)):
             with contextlib.suppress(OSError):
                 stale.unlink()
+    _mark_failed(target)  # built twice and never loaded or tested right: not again for a while
     return None
 
 
@@ -375,9 +376,10 @@ def _failed_path(target: Path) -> Path:
 
 
 def _failed_lately(target: Path) -> bool:
-    """Whether a build of ``target`` failed less than ``_RETRY_S`` ago."""
+    """Whether a build of ``target`` failed less than ``_RETRY_S`` ago (a marker dated in the
+    future, the clock stepped back since, does not count)."""
     try:
-        return time.time() - _failed_path(target).lstat().st_mtime < _RETRY_S
+        return 0 <= time.time() - _failed_path(target).lstat().st_mtime < _RETRY_S
     except OSError:
         return False
 
@@ -385,9 +387,12 @@ def _failed_lately(target: Path) -> bool:
 def _mark_failed(target: Path) -> None:
     """Leave the failure marker (an empty file, this user's alone)."""
     with contextlib.suppress(OSError):
-        fd = os.open(_failed_path(target), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
-        os.utime(_failed_path(target))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(_failed_path(target), flags, 0o600)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
 
 
 def _digest_path(target: Path) -> Path:
