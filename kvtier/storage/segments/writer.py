@@ -502,7 +502,7 @@ class Lane:
                     # Room for a whole segment, else (other writers' active segments hold the
                     # rest: many writers on one capped root) a smaller one, in half of what
                     # they leave (so another writer can start too), at least the next record.
-                    least = need + journal_reserve(need) if size else size + jcap
+                    least = need + journal_reserve(need) if size else jcap  # jcap: tombstones
                     granted = self._space.make_room(size + jcap, cap, least)
                     if not granted:
                         return None
