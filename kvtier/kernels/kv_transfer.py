@@ -50,6 +50,81 @@ _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 # variant per value that is 1 or a multiple of 16, on the request path); neither are the index
 # tensors' addresses, which a caller may slice at any offset. What stays specialized is fixed
 # per pool and direction, so a cache compiles every variant it needs in ``warmup``.
+@triton.jit
+def _tile_offsets(
+    i_tile,
+    table_ptr,
+    dev_idx_ptr,
+    host_idx_ptr,
+    n_rows,
+    num_layers,
+    layer_start,
+    n_sel_layers,
+    page_size,
+    host_s_buf,
+    host_s_page,
+    host_s_tok,
+    host_s_layer,
+    dev_s_slot,
+    n_tiles_r,
+    TOKENS_PER_INDEX: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    VEC: tl.constexpr,
+    TABLE_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    LAYER_ROWS: tl.constexpr,
+):
+    """Tile ``i_tile``'s row offsets on the device and on the host (in words) and its row mask.
+    A tile is BLOCK_R rows of one (buffer, layer); row r is chunk r % CHUNKS of logical token
+    r // CHUNKS, BLOCK_W words wide. Items whose size is not a power of two are cut into equal
+    power-of-two chunks rather than padded, so no lane is masked off for width.
+    LAYER_ROWS (host layouts that keep a token's layers side by side, all-layer calls): a tile
+    is BLOCK_R rows of one buffer, row r chunk r % CHUNKS of layer (r // CHUNKS) % n_sel of
+    token r // (CHUNKS * n_sel), so the host side of a tile is one contiguous run per token
+    instead of a 2 KiB piece every L items."""
+    o_r = tl.arange(0, BLOCK_R)
+    i_t = i_tile % n_tiles_r
+    o_row = i_t * BLOCK_R + o_r
+    m_row = o_row < n_rows
+    if LAYER_ROWS:
+        i_b = (i_tile // n_tiles_r).to(tl.int64)
+        o_kl = o_row // CHUNKS
+        o_k = o_kl // n_sel_layers
+        i_l = layer_start + (o_kl % n_sel_layers).to(tl.int64)
+    else:
+        i_bl = (i_tile // n_tiles_r).to(tl.int64)
+        i_b = i_bl // n_sel_layers
+        i_l = layer_start + i_bl % n_sel_layers
+        o_k = o_row // CHUNKS
+    o_c = (o_row % CHUNKS).to(tl.int64)
+    if TOKENS_PER_INDEX == 1:
+        b_dev = tl.load(dev_idx_ptr + o_k, mask=m_row, other=-1)
+        b_host = tl.load(host_idx_ptr + o_k, mask=m_row, other=-1)
+    else:
+        o_j = o_k // TOKENS_PER_INDEX
+        o_in = o_k % TOKENS_PER_INDEX
+        b_dev = tl.load(dev_idx_ptr + o_j, mask=m_row, other=-1)
+        b_host = tl.load(host_idx_ptr + o_j, mask=m_row, other=-1)
+        b_dev = tl.where(b_dev >= 0, b_dev * TOKENS_PER_INDEX + o_in, -1)
+        b_host = tl.where(b_host >= 0, b_host * TOKENS_PER_INDEX + o_in, -1)
+    m_row = m_row & (b_dev >= 0) & (b_host >= 0)
+
+    dev_base = tl.load(table_ptr + i_b * num_layers + i_l) * TABLE_SCALE
+    o_dev = (dev_base + b_dev * dev_s_slot) * VEC + o_c * BLOCK_W
+    o_host = (
+        i_b * host_s_buf
+        + (b_host // page_size) * host_s_page
+        + (b_host % page_size) * host_s_tok
+        + i_l * host_s_layer
+    ) * VEC + o_c * BLOCK_W
+    return o_dev, o_host, m_row
+
+
+# Sizes that change from call to call are not specialized (Triton would otherwise compile a
+# variant per value that is 1 or a multiple of 16, on the request path); neither are the index
+# tensors' addresses, which a caller may slice at any offset. What stays specialized is fixed
+# per pool and direction, so a cache compiles every variant it needs in ``warmup``.
 @triton.jit(
     do_not_specialize=[
         "dev_idx_ptr",
@@ -87,62 +162,49 @@ def _kv_copy_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
     LAYER_ROWS: tl.constexpr,
+    REPS: tl.constexpr,  # pieces per row
+    W2: tl.constexpr,  # words per piece (REPS * W2 == BLOCK_W)
 ):
-    # A tile is BLOCK_R rows of one (buffer, layer); row r is chunk r % CHUNKS of logical token
-    # r // CHUNKS, BLOCK_W words wide. Items whose size is not a power of two are cut into equal
-    # power-of-two chunks rather than padded, so no lane is masked off for width.
-    # LAYER_ROWS (host layouts that keep a token's layers side by side, all-layer calls): a tile
-    # is BLOCK_R rows of one buffer, row r chunk r % CHUNKS of layer (r // CHUNKS) % n_sel of
-    # token r // (CHUNKS * n_sel), so the host side of a tile is one contiguous run per token
-    # instead of a 2 KiB piece every L items.
+    # Tiles are walked grid-stride (see _tile_offsets for what a tile is); a tile's loads are
+    # all issued before its stores, then the next tile's. (Issuing the next tile's loads
+    # before this tile's stores, two tiles in flight, was measured slower in every case: H200,
+    # D->H at 2 programs 94 -> 59% of the copy engine; bench_small_grid_pipeline.md.)
     i_prog = tl.program_id(0)
     n_prog = tl.num_programs(0)
-    o_r = tl.arange(0, BLOCK_R)
-    o_w = tl.arange(0, BLOCK_W)
+    # A row's BLOCK_W words as REPS pieces of W2 (one warp-wide access each), the pieces
+    # outermost: each warp then holds whole rows, so a thread computes one row's offsets and
+    # mask rather than one per row it touches (a 64 KiB tile of 2 KiB items: 62-64 -> 32
+    # registers at 32 warps, 103 -> 50 at 16, by ptxas for sm_90a; no change in GB/s on an
+    # H200, bench_small_grid.md).
+    o_w = tl.arange(0, REPS)[:, None, None] * W2 + tl.arange(0, W2)[None, None, :]
+    if D2H:
+        src_ptr = dev_ptr
+        dst_ptr = host_ptr
+    else:
+        src_ptr = host_ptr
+        dst_ptr = dev_ptr
     for i_tile in range(i_prog, num_tiles, n_prog):
-        i_t = i_tile % n_tiles_r
-        o_row = i_t * BLOCK_R + o_r
-        m_row = o_row < n_rows
-        if LAYER_ROWS:
-            i_b = (i_tile // n_tiles_r).to(tl.int64)
-            o_kl = o_row // CHUNKS
-            o_k = o_kl // n_sel_layers
-            i_l = layer_start + (o_kl % n_sel_layers).to(tl.int64)
-        else:
-            i_bl = (i_tile // n_tiles_r).to(tl.int64)
-            i_b = i_bl // n_sel_layers
-            i_l = layer_start + i_bl % n_sel_layers
-            o_k = o_row // CHUNKS
-        o_c = (o_row % CHUNKS).to(tl.int64)
-        if TOKENS_PER_INDEX == 1:
-            b_dev = tl.load(dev_idx_ptr + o_k, mask=m_row, other=-1)
-            b_host = tl.load(host_idx_ptr + o_k, mask=m_row, other=-1)
-        else:
-            o_j = o_k // TOKENS_PER_INDEX
-            o_in = o_k % TOKENS_PER_INDEX
-            b_dev = tl.load(dev_idx_ptr + o_j, mask=m_row, other=-1)
-            b_host = tl.load(host_idx_ptr + o_j, mask=m_row, other=-1)
-            b_dev = tl.where(b_dev >= 0, b_dev * TOKENS_PER_INDEX + o_in, -1)
-            b_host = tl.where(b_host >= 0, b_host * TOKENS_PER_INDEX + o_in, -1)
-        m_row = m_row & (b_dev >= 0) & (b_host >= 0)
-
-        dev_base = tl.load(table_ptr + i_b * num_layers + i_l) * TABLE_SCALE
-        o_dev = (dev_base + b_dev * dev_s_slot) * VEC + o_c * BLOCK_W
-        o_host = (
-            i_b * host_s_buf
-            + (b_host // page_size) * host_s_page
-            + (b_host % page_size) * host_s_tok
-            + i_l * host_s_layer
-        ) * VEC + o_c * BLOCK_W
-        p_dev = dev_ptr + (o_dev[:, None] + o_w[None, :])
-        p_host = host_ptr + (o_host[:, None] + o_w[None, :])
-        m = m_row[:, None]
+        o_dev, o_host, m_row = _tile_offsets(
+            i_tile, table_ptr, dev_idx_ptr, host_idx_ptr, n_rows, num_layers, layer_start,
+            n_sel_layers, page_size, host_s_buf, host_s_page, host_s_tok, host_s_layer,
+            dev_s_slot, n_tiles_r, TOKENS_PER_INDEX, CHUNKS, VEC, TABLE_SCALE, BLOCK_R,
+            BLOCK_W, LAYER_ROWS,
+        )  # fmt: skip
         if D2H:
-            b_x = tl.load(p_dev, mask=m, cache_modifier=".cg")
-            tl.store(p_host, b_x, mask=m, cache_modifier=".cs")
+            o_src, o_dst = o_dev, o_host
         else:
-            b_x = tl.load(p_host, mask=m, cache_modifier=".cg")
-            tl.store(p_dev, b_x, mask=m, cache_modifier=".cs")
+            o_src, o_dst = o_host, o_dev
+        b_x = tl.load(
+            src_ptr + (o_src[None, :, None] + o_w),
+            mask=m_row[None, :, None],
+            cache_modifier=".cg",
+        )
+        tl.store(
+            dst_ptr + (o_dst[None, :, None] + o_w),
+            b_x,
+            mask=m_row[None, :, None],
+            cache_modifier=".cs",
+        )
 
 
 @dataclass(frozen=True)
@@ -462,6 +524,7 @@ def _prepared(
     # Rows per tile depend on the item and the knobs only, never on the transfer's size: one
     # compiled variant per pool and direction (a small transfer masks the rows it lacks).
     block_r = max(1, tile_words // block_w)
+    piece = min(block_w, 32 * vec)  # a warp's 32 lanes, one vector each
 
     def as_words(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
         # Bytes first, then whole words: a view of the caller's memory, never a copy.
@@ -492,6 +555,8 @@ def _prepared(
             block_r,
             block_w,
             layer_rows,
+            block_w // piece,
+            piece,
         ),
         layer_rows=layer_rows,
         meta=dict(
@@ -503,6 +568,8 @@ def _prepared(
             BLOCK_R=block_r,
             BLOCK_W=block_w,
             LAYER_ROWS=layer_rows,
+            REPS=block_w // piece,
+            W2=piece,
             num_warps=knobs.warps,
         ),
     )

@@ -192,3 +192,46 @@ def test_launch_cache_keeps_no_pool_alive(device):
     del dev, host
     gc.collect()
     assert host_mem() is None and dev_mem() is None
+
+
+@pytest.mark.parametrize("programs", [1, 2, 3])
+@pytest.mark.parametrize("scope", ["layer", "all"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("kind,P", [("mha", 4), ("mla", 1)])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_grid_stride_walk_matches_reference(direction, kind, P, layout, scope, programs, device):
+    """Items wide enough that a row is several warp-wide pieces (2 KiB: ``REPS`` > 1), tiles
+    small enough that each program walks several, a tile count no grid divides evenly, and a
+    skipped page on one side: the bytes equal the reference's and unaddressed slots keep their
+    poison."""
+    seed = zlib.crc32(repr(("walk", direction, kind, P, layout, scope, programs)).encode())
+    dev, host, dev_pages, host_pages = _setup(
+        kind, "wrapped", layout, P, torch.bfloat16, 512, device, seed
+    )
+    dev_slots = pages_to_slots(dev_pages, P).clone()
+    host_slots = pages_to_slots(host_pages, P)
+    dev_slots[P : 2 * P] = -1  # the middle page skipped
+    di, hi = dev_slots.to(device), host_slots.to(device)
+    layer = 1 if scope == "layer" else None
+    knobs = kv_transfer.TransferKnobs(
+        programs,
+        tile_bytes=4096,
+        num_warps=1,
+        small_h2d_bytes=0,
+        token_d2h_programs=0,
+        token_h2d_programs=0,
+    )
+    prep = kv_transfer._prepared(dev, host, 1, direction == "d2h", knobs)
+    assert prep.meta["REPS"] > 1 and prep.meta["REPS"] * prep.meta["W2"] == prep.meta["BLOCK_W"]
+    if direction == "d2h":
+        tri, ref = clone_host(host), clone_host(host)
+        copy_device_to_host(dev, tri, di, hi, layer=layer, knobs=knobs)
+        copy_device_to_host(dev, ref, di, hi, layer=layer, impl="torch")
+        assert_bytes_equal(tri.tensor, ref.tensor, "host after d2h")
+        _check_untouched_host(tri, host, host_slots[dev_slots >= 0])
+    else:
+        tri, ref = clone_device(dev), clone_device(dev)
+        copy_host_to_device(host, tri, hi, di, layer=layer, knobs=knobs)
+        copy_host_to_device(host, ref, hi, di, layer=layer, impl="torch")
+        assert_bytes_equal(device_bytes(tri), device_bytes(ref), "device after h2d")
+        _check_untouched_device(tri, dev, dev_slots[dev_slots >= 0], layer)
