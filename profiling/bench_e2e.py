@@ -256,6 +256,10 @@ def time_start(cache, tokens: list[int], n: int, prepare, reps: int = 5) -> None
         (copier_mod.HostCopier, "_plan_kernel"),
         (copier_mod.HostCopier, "_pair"),
         (copier_mod.HostCopier, "route"),
+        (copier_mod.HostCopier, "_inline_engine"),
+        (copier_mod, "build_descriptors"),
+        (copier_mod, "memcpy_batch"),
+        (torch.cuda.Event, "record"),
         (copier_mod, "layer_descriptors"),
         (copier_mod, "copy_host_to_device"),
         (copier_mod.IssueWorker, "submit"),
@@ -395,6 +399,7 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     P = 16
+    knobs = TransferKnobs(num_programs=args.programs) if args.programs else None
     cfg = CacheConfig(
         layer_kinds=("full",) * args.layers,
         kv_heads=KVH,
@@ -405,7 +410,7 @@ def main() -> None:
         host_ratio=2.0,
         write_policy="write_through",
         device=dev.type,
-        knobs=TransferKnobs(num_programs=args.programs) if args.programs else None,
+        knobs=knobs,
         host_layout=args.host_layout,
         io_backend=args.io_backend,
     )

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench_e2e of an older kvtier against this checkout's, alternated, on one GPU.
-#   OUT=/tmp/e2e_ab bash profiling/e2e_ab.sh OLD_TAR [bench_e2e args...]
+#   OUT=/tmp/e2e_ab [ROUNDS=2] [LAYOUTS='layer_first page_first'] bash profiling/e2e_ab.sh OLD_TAR [bench_e2e args...]
 # OLD_TAR: `git archive -o old.tar <rev> kvtier`. Both sides run this checkout's bench_e2e.py,
 # each from a directory whose kvtier is the one measured: `python -m` puts the working directory
 # first on sys.path, so PYTHONPATH cannot make it import another kvtier (an earlier A/B measured
@@ -28,10 +28,11 @@ done
 run() { local who=$1 tag=$2; shift 2; local dir=$NEW; [ "$who" = old ] && dir=$OLD
   (cd "$dir" && python3 -m profiling.bench_e2e --out "$OUT/$tag" "${ARGS[@]}" "$@" > "$OUT/$tag.log" 2>&1)
   grep -E "Overlapped /|Per repetition" "$OUT/$tag.log" | sed "s/^/$tag: /"; }
-for round in 1 2; do
-  order="old new"; [ $round = 2 ] && order="new old"
+for round in $(seq 1 ${ROUNDS:-2}); do
+  order="old new"; [ $((round % 2)) = 0 ] && order="new old"
   for who in $order; do
-    run $who "${who}_lf_$round" --host-layout layer_first
-    run $who "${who}_pf_$round" --host-layout page_first
+    for layout in ${LAYOUTS:-layer_first page_first}; do
+      run $who "${who}_${layout}_$round" --host-layout $layout
+    done
   done
 done

@@ -137,6 +137,9 @@ class HostCopier:
         # The probe reads driver versions: once per pool pair, not per call.
         support = engine_support(dev.device) if io_backend != "kernel" else None
         self.engine_reason = "" if support is None or support.ok else support.reason
+        # What plan_lead worked out for an inline copy-engine load, for the plan() call that
+        # follows it with the same index tensors: page ids, descriptor count and route once.
+        self._counted: tuple | None = None
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -210,17 +213,25 @@ class HostCopier:
                 f"lead_plan: only for a per-layer host-to-device load, got d2h={d2h}, "
                 f"per_layer={per_layer}"
             )
-        d_items, h_items, layer_bytes = self._pair(dev_idx, host_idx)
+        counted, self._counted = self._counted, None
+        known: Route | None = None  # plan_lead's route and count, for a per-layer load
+        if counted is not None and counted[0] is dev_idx and counted[1] is host_idx:
+            d_items, h_items, layer_bytes, pages, most, known = counted[2:]
+            if d2h or not per_layer:
+                known = None
+        else:
+            pages = None
+            d_items, h_items, layer_bytes = self._pair(dev_idx, host_idx)
         if check if check is not None else debug_checks():
             P = self.host.page_size
             _check_runs(d_items, "dev_idx", self.dev.num_slots, P, self.index_group)
             _check_runs(h_items, "host_idx", self.host.num_slots, P, self.index_group)
         L = self.dev.num_layers
         call_bytes = layer_bytes if per_layer else layer_bytes * L
-        route = self.route(d2h=d2h, call_bytes=call_bytes)
+        route = known or self.route(d2h=d2h, call_bytes=call_bytes)
         if route.path == self.kernel_path:
             return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L, lead_plan)
-        d_pages, h_pages = self._pages(d_items), self._pages(h_items)
+        d_pages, h_pages = pages or (self._pages(d_items), self._pages(h_items))
         if route.path == "staged":
             return _with_lead(self._plan_staged(route, d_pages, h_pages, d2h, per_layer), lead_plan)
         geom = self.geometry
@@ -232,9 +243,11 @@ class HostCopier:
             )
 
         # A load's descriptors are built when its first copy-engine step is issued (on the
-        # issue worker): here only counted, for the route. A backup's are built now.
-        most = layer_descriptors(geom, d_pages, h_pages) if per_layer else _most(build())
-        if self.io_backend == "auto":
+        # issue worker, or inline for a batch of few): here only counted, for the route. A
+        # backup's are built now.
+        if known is None:
+            most = layer_descriptors(geom, d_pages, h_pages) if per_layer else _most(build())
+        if self.io_backend == "auto" and known is None:
             # Weigh what enqueueing this batch costs: its largest call's descriptors.
             route = self.route(d2h=d2h, call_bytes=call_bytes, descriptors=most)
             if route.path == "staged":
@@ -243,7 +256,14 @@ class HostCopier:
             if route.path != "copy_engine":
                 return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L, lead_plan)
         plan = self._plan_engine(route, build, most, layer_bytes * L, d2h, per_layer)
-        if lead_plan is None and lead and per_layer and not d2h and self.io_backend == "auto":
+        if (
+            lead_plan is None
+            and lead
+            and per_layer
+            and not d2h
+            and self.io_backend == "auto"
+            and most > CROSSOVERS["h2d"].inline_descriptors
+        ):
             lead_route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
             lead_plan = self._plan_kernel(lead_route, d_items, h_items, d2h, layer_bytes)
         return _with_lead(plan, lead_plan)
@@ -252,12 +272,35 @@ class HostCopier:
         """The kernel plan of a per-layer load, for the first layer a load issues, made before
         the rest of the batch is planned so that layer starts at once (route, page ids and
         descriptor counts then come after its launch); pass it to ``plan(..., lead_plan=)``.
-        None under a forced ``"copy_engine"`` or ``"staged"`` (no copy of those takes SMs)."""
+        None under a forced ``"copy_engine"`` or ``"staged"`` (no copy of those takes SMs), and
+        where ``"auto"`` sends the load to the copy engine in calls of at most the crossover's
+        ``inline_descriptors``: such a call starts the copy for less CPU than the
+        kernel's index upload and launch."""
         if self.io_backend not in ("auto", "kernel"):
             return None
         d_items, h_items, layer_bytes = self._pair(dev_idx, host_idx)
+        counted = self._inline_engine(d_items, h_items, layer_bytes)
+        if counted is not None:
+            self._counted = (dev_idx, host_idx, d_items, h_items, layer_bytes, *counted)
+            return None
         route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
         return self._plan_kernel(route, d_items, h_items, False, layer_bytes)
+
+    def _inline_engine(
+        self, d_items: np.ndarray, h_items: np.ndarray, layer_bytes: int
+    ) -> tuple[tuple[np.ndarray, np.ndarray], int, Route] | None:
+        """Both sides' page ids, the descriptors of a layer's call and the route, where
+        ``"auto"`` sends a per-layer host-to-device load of these items to the copy engine in
+        calls of at most the crossover's ``inline_descriptors`` (see ``plan_lead``); None
+        otherwise."""
+        if self.io_backend != "auto" or self.engine_reason or not self.geometry.contiguous:
+            return None
+        pages = self._pages(d_items), self._pages(h_items)
+        most = layer_descriptors(self.geometry, *pages)
+        route = self.route(d2h=False, call_bytes=layer_bytes, descriptors=most)
+        if route.path == "copy_engine" and most <= CROSSOVERS["h2d"].inline_descriptors:
+            return pages, most, route
+        return None
 
     def _pair(
         self, dev_idx: torch.Tensor, host_idx: torch.Tensor

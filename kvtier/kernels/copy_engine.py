@@ -225,8 +225,20 @@ def build_descriptors(
     dp = dev_pages[keep].astype(np.int64, copy=False)
     hp = host_pages[keep].astype(np.int64, copy=False)
     lay = np.asarray(layers, dtype=np.int64)
-    B, n, c = geom.num_buffers, dp.size, geom.chunk_bytes
-    # [layer, buffer, page]: the device side from each tensor's address, the host side from
+    B, c = geom.num_buffers, geom.chunk_bytes
+    # Runs of pages consecutive on both sides first (within any one buffer and layer, where a
+    # run continues on one side it does on the other), so the arrays below are runs x buffers
+    # x layers, not pages x buffers x layers (a 7K-token load of 448 pages in one run: 64
+    # entries instead of 28,672, ~0.3 ms less CPU before the forward on an H200 host).
+    if dp.size:
+        brk = np.flatnonzero((np.diff(dp) != 1) | (np.diff(hp) * geom.stride_page != c)) + 1
+        first_page = np.concatenate((np.zeros(1, dtype=np.int64), brk))
+        run_bytes = np.diff(np.append(first_page, dp.size)) * c
+        dp, hp = dp[first_page], hp[first_page]
+    else:
+        run_bytes = np.zeros(0, dtype=np.int64)
+    n = dp.size
+    # [layer, buffer, run]: the device side from each tensor's address, the host side from
     # the four strides (the same description the Triton kernel computes offsets from).
     dev = geom.dev_addr[:, lay].T[:, :, None] + (dp * c)[None, None, :]
     host = (
@@ -237,14 +249,18 @@ def build_descriptors(
     )
     src, dst = (dev, host) if d2h else (host, dev)
     src, dst = src.reshape(-1), dst.reshape(-1)
+    size = np.broadcast_to(run_bytes, dev.shape).reshape(-1)
     m = src.size
     row = B * n if per_layer else m
+    # A run that continues the previous entry on both sides (the next buffer's tensor may
+    # touch this one's end) is merged into it, never across groups.
     starts = np.ones(m, dtype=bool)
     if m > 1:
-        starts[1:] = (src[1:] != src[:-1] + c) | (dst[1:] != dst[:-1] + c)
+        step = size[:-1]
+        starts[1:] = (src[1:] != src[:-1] + step) | (dst[1:] != dst[:-1] + step)
     starts[:: row or 1] = True  # a group never continues the previous one
     first = np.flatnonzero(starts)
-    sizes = np.diff(np.append(first, m)) * c
+    sizes = np.add.reduceat(size, first) if m else np.zeros(0, dtype=np.int64)
     n_groups = len(lay) if per_layer else 1
     offsets = np.searchsorted(first, np.arange(n_groups + 1, dtype=np.int64) * row)
     return Descriptors(

@@ -139,6 +139,13 @@ class Crossover:
             take about as long as the copy.
         staged: send what the copy engine takes badly (chunks not contiguous on the host, too
             many descriptors) to the staged path instead of the kernel.
+        inline_descriptors: a copy-engine batch whose largest call has at most this many
+            descriptors (after adjacent chunks merged: a load whose device and host pages both
+            run consecutively is one per buffer and layer) costs the CPU tens of µs a call. It
+            is enqueued by the thread that needs it (a load: step by step as the forward pass
+            waits) with no issue worker, whose Python would contend with the forward's launches
+            for the GIL, and a load takes no kernel lead for its first layer, whose index
+            upload and launch cost more than the call. Larger batches keep both.
     """
 
     min_chunk_bytes: int
@@ -146,6 +153,7 @@ class Crossover:
     free_descriptors: int = 128
     min_descriptor_bytes: int = 0
     staged: bool = False
+    inline_descriptors: int = 32
 
 
 # Shipped crossovers (``io_backend="auto"``), from profiling/results/bench_overlap.md (H100):

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.kernels.copier import CopyPlan, HostCopier, IssueWorker, Ticket
-from kvtier.kernels.dispatch import RouteReason
+from kvtier.kernels.dispatch import CROSSOVERS, RouteReason
 from kvtier.nvtx import nvtx_range
 from kvtier.runtime.tp import all_reduce_max, all_reduce_min
 from kvtier.runtime.tree.node import TreeNode
@@ -192,7 +192,9 @@ class InlineSteps:
 class _Op:
     kind: str
     books: Backup | list[LoadBack]
-    event: torch.cuda.Event | None
+    # A backup's completion event; a load's is its last layer event (``event``), recorded
+    # when that step is enqueued.
+    end: torch.cuda.Event | None
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     issued_step: int = 0
     # ``(step, event)`` recorded before the first step of each run of steps issued at once; a
@@ -204,6 +206,11 @@ class _Op:
     # Enqueued by the worker (Ticket) or by its waiters (InlineSteps): its events exist once
     # it is done.
     ticket: Ticket | InlineSteps | None = None
+
+    @property
+    def event(self) -> torch.cuda.Event | None:
+        """The event after the operation's last copy (None on CPU, or before it is enqueued)."""
+        return self.layer_events[-1] if self.layer_events else self.end
 
     def enqueued(self) -> bool:
         return self.ticket is None or self.ticket.done()
@@ -230,20 +237,51 @@ class _OnStream:
             self._ctx = torch.cuda.stream(self._stream)
             self._ctx.__enter__()
             return
-        self._prev = torch.cuda.current_stream(index)
+        if _GET_STREAM is None:
+            self._prev = torch.cuda.current_stream(index)
+        else:  # (id, device index, device type): no Stream object built for it
+            self._prev = _GET_STREAM(index)
         torch.cuda.set_stream(self._stream)
 
     def __exit__(self, *exc) -> None:
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
-        else:
+        elif _GET_STREAM is None:
             torch.cuda.set_stream(self._prev)
+        else:
+            sid, index, kind = self._prev
+            _SET_STREAM(stream_id=sid, device_index=index, device_type=kind)
+
+
+# The current stream as (id, device index, device type), and setting it back from those, as
+# ``torch.cuda.current_stream`` / ``set_stream`` do underneath, minus the ``Stream`` object
+# (several µs of CPU each on an H100 host); both or neither.
+_GET_STREAM = getattr(torch._C, "_cuda_getCurrentStream", None)
+_SET_STREAM = getattr(torch._C, "_cuda_setStream", None)
+if _SET_STREAM is None:
+    _GET_STREAM = None
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """``torch.cat`` of index tensors; one is returned as is (a batch of one request: ~15 us of
     the CPU before the forward saved per call on an H100 host)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _worth_a_worker(plans: list[CopyPlan]) -> bool:
+    """Whether a batch is worth the issue worker: it has staged plans (their launches) or
+    copy-engine plans of calls over their direction's ``Crossover.inline_descriptors`` (about
+    1 µs of CPU a descriptor). A batch of few descriptors is enqueued inline: the worker's
+    Python would contend with the forward pass's launches for the GIL for longer than the calls
+    take (H200, bench_e2e: the forward's first kernels launched ~1 ms late beside it)."""
+    return any(
+        p.route.path == "staged"
+        or (
+            p.route.path == "copy_engine"
+            and p.descriptors > CROSSOVERS["d2h" if p.d2h else "h2d"].inline_descriptors
+        )
+        for p in plans
+    )
 
 
 class CacheController:
@@ -336,14 +374,8 @@ class CacheController:
         return _OnStream(stream) if stream is not None else nullcontext()
 
     def _offload(self, plans: list[CopyPlan]) -> bool:
-        """Whether a batch is enqueued by the worker: it has copy-engine or staged plans (whose
-        enqueue costs the CPU about 1 µs per descriptor, plus the staged path's launches) and
-        the worker is on."""
-        return (
-            self._worker is not None
-            and self.offload_enqueue
-            and any(p.route.path in ("copy_engine", "staged") for p in plans)
-        )
+        """Whether a batch is enqueued by the worker (see ``_worth_a_worker``)."""
+        return self._worker is not None and self.offload_enqueue and _worth_a_worker(plans)
 
     # -- backup (D→H) ------------------------------------------------------------------------
 
@@ -465,9 +497,10 @@ class CacheController:
                 h.append(t.host_indices)
         cpu_idx = {pool: (_cat(d), _cat(h)) for pool, (d, h) in merged.items()}
         nbytes = sum(d.numel() * self.bindings[p].bytes_per_index for p, (d, _) in cpu_idx.items())
-        # The first step's event now; the others once that step is issued (enqueue reads them
-        # when it issues their steps).
-        events = [self._event() for _ in self.layer_map[:1]]
+        # Each step's event is made and recorded when the step is enqueued (33 events made up
+        # front cost ~85 us of CPU before the forward pass on an H100 host); a waiter reads it
+        # only after the step is enqueued (see wait_layer).
+        events: list[torch.cuda.Event | None] = [None] * len(self.layer_map)
         starts: list[tuple[int, torch.cuda.Event]] = []
         t0 = time.perf_counter()
         plans: dict[str, list[tuple[BoundCopier, CopyPlan]]] = {}
@@ -481,14 +514,13 @@ class CacheController:
             stop: int | None = None,
             use: dict[str, list[tuple[BoundCopier, CopyPlan]]] | None = None,
         ):
-            steps = list(zip(self.layer_map, events))[first:stop]
             by_pool = plans if use is None else use
             with self._on(stream):
-                for i, ((pool, layer), ev) in enumerate(steps, first):
+                for i, (pool, layer) in enumerate(self.layer_map[first:stop], first):
                     resumed = ticket is not None and ticket.gate(i)
                     if self.cuda and (i == first or resumed):  # a run of steps starts
                         run = self._event()
-                        run.record()
+                        run.record(stream)
                         starts.append((i, run))
                     with nvtx_range(f"kvtier.load layer{layer} {pool}"):
                         for c, p in by_pool.get(pool, ()):
@@ -500,8 +532,9 @@ class CacheController:
                         if pool in idx:
                             d, h = idx[pool]
                             self.bindings[pool].load(h, d, layer)
-                    if ev is not None:
-                        ev.record()
+                    if self.cuda:
+                        ev = events[i] = self._event()
+                        ev.record(stream)
                     if ticket is not None:
                         ticket.advance()
 
@@ -525,7 +558,6 @@ class CacheController:
                 if leads:
                     enqueue(first=0, stop=1, use={first_pool: leads})
                 early = {id(c): lp for c, lp in leads}  # first-pool copiers only
-                events += [self._event() for _ in self.layer_map[1:]]
                 # Every layer's descriptors (or the device-side indices) once per batch, before
                 # the later layers are issued: the per-layer issue is then one call per pool
                 # pair. A plan that owns the batch's first step gets a kernel lead for it.
@@ -551,12 +583,19 @@ class CacheController:
                 all_plans = [p for pool_plans in plans.values() for _, p in pool_plans]
                 steps, ahead = len(self.layer_map), self.load_ahead
                 if not self._offload(all_plans):
-                    if not self.cuda or not ahead or steps <= 1 + ahead:
+                    # The first steps now, the rest as the forward pass waits for them. A
+                    # batch on the copy engine starts with one step: each later call costs
+                    # tens of µs at a wait, where the CPU is ahead of the GPU, not before the
+                    # forward's first launch; kernel copies start ``ahead`` steps further on,
+                    # before the forward's kernels take the SMs.
+                    engine = any(p.route.path == "copy_engine" for p in all_plans)
+                    head = 1 if engine or not ahead else 1 + ahead
+                    if not self.cuda or not ahead or steps <= head:
                         enqueue(first=done)
-                    else:  # the first steps now, the rest as the forward pass waits for them
-                        enqueue(first=done, stop=1 + ahead)
+                    else:
+                        enqueue(first=done, stop=head)
                         ticket = InlineSteps(
-                            lambda a, b: enqueue(first=a, stop=b), steps, 1 + ahead, ahead
+                            lambda a, b: enqueue(first=a, stop=b), steps, head, ahead
                         )
                 elif not done and not any(p.lead is not None for p in all_plans):
                     ticket = self._worker.submit(enqueue, steps, ahead=ahead or None)
@@ -595,7 +634,7 @@ class CacheController:
             _Op(
                 "load",
                 loads,
-                events[-1] if events else None,
+                None,
                 keep,
                 self._step,
                 starts,

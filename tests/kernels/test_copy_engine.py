@@ -9,6 +9,7 @@ and by running them and comparing the bytes with the torch reference.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import types
 
 import numpy as np
@@ -266,6 +267,113 @@ def test_adjacent_pages_merge(layout):
         assert set(desc.sizes.tolist()) == {3 * chunk}
 
 
+def _naive_descriptors(geom, dev_pages, host_pages, d2h, layers, per_layer):
+    """One entry per (layer, buffer, page) chunk in that order, then every entry that continues
+    the previous one on both sides merged into it, never across groups."""
+    groups = [[l] for l in layers] if per_layer else [list(layers)]
+    out = []
+    for group in groups:
+        entries: list[list[int]] = []
+        for l in group:
+            for b in range(geom.num_buffers):
+                for d, h in zip(dev_pages.tolist(), host_pages.tolist()):
+                    if d < 0 or h < 0:
+                        continue
+                    da = int(geom.dev_addr[b, l]) + d * geom.chunk_bytes
+                    ha = (
+                        geom.host_addr
+                        + l * geom.stride_layer
+                        + b * geom.stride_buffer
+                        + h * geom.stride_page
+                    )
+                    s, t = (da, ha) if d2h else (ha, da)
+                    if (
+                        entries
+                        and entries[-1][0] + entries[-1][2] == s
+                        and (entries[-1][1] + entries[-1][2] == t)
+                    ):
+                        entries[-1][2] += geom.chunk_bytes
+                    else:
+                        entries.append([s, t, geom.chunk_bytes])
+        out.append(entries)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_descriptors_equal_the_naive_build(seed):
+    """Runs first, then buffers and layers: the same descriptors, in the same order, as one
+    entry per chunk merged afterwards. Synthetic geometries (addresses only, nothing copied):
+    random strides, device tensors that touch (one buffer's or layer's end the next one's
+    start) or not, random pages, runs through the pool's end, skips, layer subsets, both
+    directions, per layer or whole."""
+    rng = np.random.default_rng(seed)
+    pages = 8
+    for trial in range(80):
+        B, L_ = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+        c = int(rng.choice([16, 64]))
+        stride_page = int(rng.choice([c, 2 * c, L_ * c]))
+        if rng.random() < 0.5:  # one allocation, [B, L, pages] of chunks: tensors touch
+            addr = [[(1 << 20) + (b * L_ + l) * pages * c for l in range(L_)] for b in range(B)]
+        else:
+            addr = [[(1 << 20) * (1 + b * L_ + l) for l in range(L_)] for b in range(B)]
+        geom = ChunkGeometry(
+            dev_addr=np.array(addr, dtype=np.int64),
+            host_addr=1 << 40,
+            stride_buffer=int(rng.choice([L_ * pages * stride_page, pages * c])),
+            stride_page=stride_page,
+            stride_layer=int(rng.choice([pages * stride_page, c])),
+            chunk_bytes=c,
+            page_size=1,
+            contiguous=True,
+        )
+        n = int(rng.integers(0, pages + 1))
+        if trial % 2:  # consecutive on both sides, through the pool's end
+            d_pages, h_pages = np.arange(pages - n, pages), np.arange(n)
+        else:
+            d_pages, h_pages = rng.permutation(pages)[:n], rng.permutation(pages)[:n]
+        if n and trial % 3 == 0:
+            d_pages[int(rng.integers(0, n))] = -1
+        layers = list(range(L_)) if trial % 4 else list(rng.permutation(L_))
+        for d2h in (True, False):
+            for per_layer in (True, False):
+                got = build_descriptors(
+                    geom, d_pages, h_pages, d2h=d2h, layers=layers, per_layer=per_layer
+                )
+                want = _naive_descriptors(geom, d_pages, h_pages, d2h, layers, per_layer)
+                assert len(got.offsets) == len(want) + 1
+                for g, entries in enumerate(want):
+                    src, dst, sizes = got.group(g)
+                    rows = [list(x) for x in zip(src.tolist(), dst.tolist(), sizes.tolist())]
+                    assert rows == entries, (trial, d2h, per_layer, g)
+
+
+@pytest.mark.parametrize("B, L_, per_layer", [(1, 3, False), (2, 1, True), (2, 1, False)])
+def test_descriptors_merge_across_touching_tensors(B, L_, per_layer):
+    """Whole pools of one allocation ([B, L, pages] of chunks on both sides): every layer and
+    buffer of a group continues the one before, so each group is one descriptor."""
+    pages, c = 8, 64
+    geom = ChunkGeometry(
+        dev_addr=np.array(
+            [[(1 << 20) + (b * L_ + l) * pages * c for l in range(L_)] for b in range(B)],
+            dtype=np.int64,
+        ),
+        host_addr=1 << 40,
+        stride_buffer=L_ * pages * c,
+        stride_page=c,
+        stride_layer=pages * c,
+        chunk_bytes=c,
+        page_size=1,
+        contiguous=True,
+    )
+    all_pages = np.arange(pages)
+    desc = build_descriptors(
+        geom, all_pages, all_pages, d2h=True, layers=range(L_), per_layer=per_layer
+    )
+    groups = L_ if per_layer else 1
+    assert np.all(np.diff(desc.offsets) == 1) and len(desc.offsets) == groups + 1
+    assert desc.sizes.tolist() == [B * L_ * pages * c // groups] * groups
+
+
 @pytest.mark.parametrize("P", [1, 16, 64])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
@@ -370,10 +478,13 @@ def test_copier_engine_route(emulated_engine, kind, layout):
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
-def test_copier_lead_layer_goes_through_the_kernel(emulated_engine, layout):
+def test_copier_lead_layer_goes_through_the_kernel(emulated_engine, monkeypatch, layout):
     """Under auto, a per-layer load planned with ``lead=True`` carries a kernel plan of the same copy: the
     first layer a load issues goes through it (no batch call), the others through the engine,
     and the bytes equal the reference. Backups and whole-copy plans get no lead."""
+    monkeypatch.setitem(
+        CROSSOVERS, "h2d", dataclasses.replace(CROSSOVERS["h2d"], inline_descriptors=0)
+    )
     P = 16
     dev, host, gen = _setup("mha", layout, P, seed=12)
     forced = HostCopier(dev, host, io_backend="copy_engine")
@@ -403,6 +514,79 @@ def test_copier_lead_layer_goes_through_the_kernel(emulated_engine, layout):
     assert c.plan(d_slots, h_slots, d2h=False, per_layer=True).lead is None
     # A forced copy engine takes no SMs: no lead.
     assert forced.plan(d_slots, h_slots, d2h=False, per_layer=True, lead=True).lead is None
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_few_descriptors_take_no_kernel_lead(emulated_engine, monkeypatch, layout):
+    """A load whose largest call has at most ``inline_descriptors`` descriptors gets no kernel
+    lead: ``plan_lead`` gives None and the plan has none, every layer goes through the engine,
+    and the bytes equal the reference. One descriptor more than the limit: a lead again."""
+    P = 16
+    dev, host, gen = _setup("mha", layout, P, seed=13)
+    c = HostCopier(dev, host, io_backend="auto")
+    c.route = lambda **kw: Route("copy_engine", RouteReason.AUTO_ENGINE)
+    d_slots = pages_to_slots(pick_pages(DEV_PAGES, 3, gen), P)
+    h_slots = pages_to_slots(pick_pages(HOST_PAGES, 3, gen), P)
+    most = copy_engine.layer_descriptors(
+        c.geometry, d_slots.numpy()[::P] // P, h_slots.numpy()[::P] // P
+    )
+    assert most >= 2
+
+    def limit(n: int) -> None:
+        x = dataclasses.replace(CROSSOVERS["h2d"], inline_descriptors=n)
+        monkeypatch.setitem(CROSSOVERS, "h2d", x)
+
+    limit(most - 1)
+    assert c.plan_lead(d_slots, h_slots) is not None
+    assert c.plan(d_slots, h_slots, d2h=False, per_layer=True, lead=True).lead is not None
+    limit(most)
+    assert c.plan_lead(d_slots, h_slots) is None
+    plan = c.plan(d_slots, h_slots, d2h=False, per_layer=True, lead=True)
+    assert plan.route.path == "copy_engine" and plan.lead is None
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    ref_copy_kv(ref_dev, ref_host, d_slots, h_slots, d2h=False, layer=None)
+    for layer in range(L):
+        plan.issue(layer)
+    assert emulated_engine == [most] * L
+    assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), "device after the load")
+
+
+def test_plan_reuses_plan_leads_counts_for_the_same_indices_only(emulated_engine, monkeypatch):
+    """An inline load's ``plan_lead`` works out its page ids and descriptor count once; the
+    ``plan`` right after it with the same index tensors reuses them (one ``_pair``, one
+    count), and one with other tensors (or after another call consumed them) works its own
+    out: the bytes equal the reference."""
+    P = 16
+    dev, host, gen = _setup("mha", "layer_first", P, seed=14)
+    c = HostCopier(dev, host, io_backend="auto")
+    c.route = lambda **kw: Route("copy_engine", RouteReason.AUTO_ENGINE)
+    pairs, counts = [], []
+    pair, count = HostCopier._pair, copier_mod.layer_descriptors
+    monkeypatch.setattr(HostCopier, "_pair", lambda self, d, h: pairs.append(1) or pair(self, d, h))
+    monkeypatch.setattr(copier_mod, "layer_descriptors", lambda *a: counts.append(1) or count(*a))
+
+    def slots():
+        d = pages_to_slots(pick_pages(DEV_PAGES, 2, gen), P)
+        return d, pages_to_slots(pick_pages(HOST_PAGES, 2, gen), P)
+
+    (d1, h1), (d2, h2) = slots(), slots()
+    assert not torch.equal(d1, d2) or not torch.equal(h1, h2)
+    for lead_of, planned, n_pairs in (((d1, h1), (d1, h1), 1), ((d1, h1), (d2, h2), 2)):
+        pairs.clear()
+        counts.clear()
+        ref_dev, ref_host = clone_device(dev), clone_host(host)
+        ref_copy_kv(ref_dev, ref_host, *planned, d2h=False, layer=None)
+        assert c.plan_lead(*lead_of) is None
+        plan = c.plan(*planned, d2h=False, per_layer=True, lead=True)
+        for layer in range(L):
+            plan.issue(layer)
+        assert len(pairs) == n_pairs and len(counts) == n_pairs
+        assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), "device after the load")
+    pairs.clear()
+    c.plan_lead(d1, h1)
+    c.plan(d2, h2, d2h=False, per_layer=True)  # consumes the counts of (d1, h1) unused
+    c.plan(d1, h1, d2h=False, per_layer=True)
+    assert len(pairs) == 3
 
 
 def test_copier_index_group(emulated_engine):

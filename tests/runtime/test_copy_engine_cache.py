@@ -75,6 +75,12 @@ def test_engine_route_end_to_end(monkeypatch, layout, worker):
     )
     if worker:  # on the GPU the controller has one; here the emulated batches run on it
         cache.controller._worker = IssueWorker()
+        for d in ("d2h", "h2d"):  # every batch, however few its descriptors, goes to it
+            monkeypatch.setitem(
+                dispatch.CROSSOVERS,
+                d,
+                dataclasses.replace(dispatch.CROSSOVERS[d], inline_descriptors=0),
+            )
     _turns(cache)  # run_turn checks every cached position against a cold computation
     st = cache.controller.stats
     if layout == "page_first":
@@ -91,9 +97,10 @@ def test_engine_route_end_to_end(monkeypatch, layout, worker):
     assert threads == ({"kvtier-issue"} if worker else {threading.main_thread().name})
 
 
-def _auto_engine(monkeypatch) -> list[str]:
+def _auto_engine(monkeypatch, inline: int = 0) -> list[str]:
     """The copy engine 'available' (batches run as memmoves) and ``auto`` taking it for any
-    size, so that loads get a kernel lead layer; returns the threads that issued batches."""
+    size; batches of more than ``inline`` descriptors are enqueued by the worker and loads get
+    a kernel lead layer (0: every batch). Returns the threads that issued batches."""
     threads: list[str] = []
 
     def batch(dsts, srcs, sizes, stream):
@@ -104,7 +111,8 @@ def _auto_engine(monkeypatch) -> list[str]:
     monkeypatch.setattr(copier_mod, "engine_support", lambda device: EngineSupport(True))
     monkeypatch.setattr(copier_mod, "memcpy_batch", batch)
     for d in ("d2h", "h2d"):
-        monkeypatch.setitem(dispatch.CROSSOVERS, d, dispatch.Crossover(1, 1, 10**9))
+        crossover = dispatch.Crossover(1, 1, 10**9, inline_descriptors=inline)
+        monkeypatch.setitem(dispatch.CROSSOVERS, d, crossover)
     return threads
 
 
@@ -123,6 +131,22 @@ def test_auto_engine_loads_lead_with_the_kernel(monkeypatch):
     assert st.route_reasons.get(lead) == 1, (st.route_reasons, st.paths)
     assert st.route_reasons["auto_copy_engine"] >= 2 and threads, st.route_reasons
     assert set(threads) == {"kvtier-issue"}
+
+
+def test_auto_engine_loads_of_few_descriptors_stay_inline(monkeypatch):
+    """Under auto, batches of few descriptors are enqueued by the thread that needs them even
+    with an issue worker, and a load takes no kernel lead; every position equals a cold
+    computation, and each wait issues what it needs (``InlineSteps``)."""
+    threads = _auto_engine(monkeypatch, inline=10**6)
+    cache = make_cache(
+        MODELS["full+swa"], "write_through", io_backend="auto", host_layout="layer_first"
+    )
+    cache.controller._worker = IssueWorker()
+    _turns(cache)
+    st = cache.controller.stats
+    assert st.route_reasons[RouteReason.LEAD_LAYER.value] == 0, st.route_reasons
+    assert st.paths["h2d.copy_engine"] >= 1 and st.paths["d2h.copy_engine"] >= 1, st.paths
+    assert threads and set(threads) == {threading.main_thread().name}
 
 
 def test_inline_first_step_failure_requeues_the_batch(monkeypatch):
