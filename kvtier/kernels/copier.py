@@ -138,7 +138,8 @@ class HostCopier:
         support = engine_support(dev.device) if io_backend != "kernel" else None
         self.engine_reason = "" if support is None or support.ok else support.reason
         # What plan_lead worked out for an inline copy-engine load, for the plan() call that
-        # follows it with the same index tensors: page ids, descriptor count and route once.
+        # follows it with the same index tensors, unchanged (their versions): page ids,
+        # descriptor count and route once.
         self._counted: tuple | None = None
 
     # -- routing ---------------------------------------------------------------------------
@@ -215,8 +216,13 @@ class HostCopier:
             )
         counted, self._counted = self._counted, None
         known: Route | None = None  # plan_lead's route and count, for a per-layer load
-        if counted is not None and counted[0] is dev_idx and counted[1] is host_idx:
-            d_items, h_items, layer_bytes, pages, most, known = counted[2:]
+        if (
+            counted is not None
+            and counted[0] is dev_idx
+            and counted[1] is host_idx
+            and counted[2] == (dev_idx._version, host_idx._version)  # not rewritten in place
+        ):
+            d_items, h_items, layer_bytes, pages, most, known = counted[3:]
             if d2h or not per_layer:
                 known = None
         else:
@@ -276,12 +282,14 @@ class HostCopier:
         where ``"auto"`` sends the load to the copy engine in calls of at most the crossover's
         ``inline_descriptors``: such a call starts the copy for less CPU than the
         kernel's index upload and launch."""
+        self._counted = None
         if self.io_backend not in ("auto", "kernel"):
             return None
         d_items, h_items, layer_bytes = self._pair(dev_idx, host_idx)
         counted = self._inline_engine(d_items, h_items, layer_bytes)
         if counted is not None:
-            self._counted = (dev_idx, host_idx, d_items, h_items, layer_bytes, *counted)
+            versions = (dev_idx._version, host_idx._version)
+            self._counted = (dev_idx, host_idx, versions, d_items, h_items, layer_bytes, *counted)
             return None
         route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
         return self._plan_kernel(route, d_items, h_items, False, layer_bytes)

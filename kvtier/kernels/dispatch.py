@@ -112,7 +112,8 @@ class RouteReason(str, enum.Enum):
     # of the batch is planned: nothing computes yet, so its SMs cost nothing, and the launch
     # starts the copy at once where a batch of descriptors (copy engine) or the staging ring
     # would first spend its set-up (HostCopier.plan_lead, plan(lead=, lead_plan=)). Counted
-    # where the rest takes another path; on the kernel route the lead is the plan itself.
+    # where the rest takes another path; on the kernel route the lead is the plan itself. A
+    # copy-engine load of few descriptors takes none (Crossover.inline_descriptors).
     LEAD_LAYER = "lead_layer_kernel"
 
 

@@ -589,6 +589,25 @@ def test_plan_reuses_plan_leads_counts_for_the_same_indices_only(emulated_engine
     assert len(pairs) == 3
 
 
+def test_plan_after_plan_lead_sees_indices_rewritten_in_place(emulated_engine):
+    """``plan_lead(d, h)`` finds the load inline, the caller rewrites ``d`` in place, then
+    ``plan(d, h)``: the plan copies to the slots ``d`` names now (helper 70)."""
+    P = 16
+    dev, host, _ = _setup("mha", "layer_first", P, seed=21)
+    c = HostCopier(dev, host, io_backend="auto")
+    c.route = lambda **kw: Route("copy_engine", RouteReason.AUTO_ENGINE)
+    d = pages_to_slots(torch.tensor([0, 1]), P).clone()
+    h = pages_to_slots(torch.tensor([2, 3]), P)
+    assert c.plan_lead(d, h) is None
+    d.copy_(pages_to_slots(torch.tensor([4, 2]), P))  # the same tensor, other pages
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    ref_copy_kv(ref_dev, ref_host, d, h, d2h=False, layer=None)
+    plan = c.plan(d, h, d2h=False, per_layer=True)
+    for layer in range(L):
+        plan.issue(layer)
+    assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), "device after the load")
+
+
 def test_copier_index_group(emulated_engine):
     """Sidecar pools (the DSA indexer) hold one item per KV page: slot run s is item s // G."""
     G = 4
