@@ -7,19 +7,16 @@ memmoves, so ``run_turn``'s comparison with a cold computation also checks the b
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 
 import pytest
 import torch
 
-from kvtier.kernels import copier as copier_mod
-from kvtier.kernels import dispatch
 from kvtier.kernels.copier import IssueWorker
-from kvtier.kernels.copy_engine import EngineSupport
 from kvtier.runtime import controller as ctl_mod
 from kvtier.runtime.controller import InlineSteps
 from tests.runtime.synthetic import MODELS, make_cache, run_turn
+from tests.runtime.test_copy_engine_cache import _auto_engine
 
 _SEQ = itertools.count()
 
@@ -53,19 +50,10 @@ class _Stream:
 
 
 def _engine(monkeypatch, inline: int) -> None:
-    """The copy engine 'available' as memmoves (before the cache is made: its copiers probe
-    it once), ``auto`` taking it for any size, batches of more than ``inline`` descriptors
-    going to the worker."""
-
-    def batch(dsts, srcs, sizes, stream):
-        for d, s, n in zip(dsts, srcs, sizes):
-            ctypes.memmove(int(d), int(s), int(n))
-
-    monkeypatch.setattr(copier_mod, "engine_support", lambda device: EngineSupport(True))
-    monkeypatch.setattr(copier_mod, "memcpy_batch", batch)
-    for d in ("d2h", "h2d"):
-        x = dispatch.Crossover(1, 1, 10**9, inline_descriptors=inline)
-        monkeypatch.setitem(dispatch.CROSSOVERS, d, x)
+    """The copy engine as memmoves, ``auto`` taking it for any size, batches of more than
+    ``inline`` descriptors going to the worker; before the cache is made (its copiers probe
+    the engine once)."""
+    _auto_engine(monkeypatch, inline)
 
 
 def _fake_cuda(monkeypatch, cache):
