@@ -46,10 +46,6 @@ _INTERPRETER_LOCK = threading.Lock()
 _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
-# Sizes that change from call to call are not specialized (Triton would otherwise compile a
-# variant per value that is 1 or a multiple of 16, on the request path); neither are the index
-# tensors' addresses, which a caller may slice at any offset. What stays specialized is fixed
-# per pool and direction, so a cache compiles every variant it needs in ``warmup``.
 @triton.jit
 def _tile_offsets(
     i_tile,
