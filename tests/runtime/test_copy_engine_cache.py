@@ -15,6 +15,7 @@ from kvtier.kernels import dispatch
 from kvtier.kernels.copier import IssueWorker
 from kvtier.kernels.copy_engine import EngineSupport
 from kvtier.kernels.dispatch import RouteReason
+from tests.runtime.engine_emulation import auto_engine
 from tests.runtime.synthetic import MODELS, check_cached, make_cache, run_turn
 
 
@@ -97,29 +98,10 @@ def test_engine_route_end_to_end(monkeypatch, layout, worker):
     assert threads == ({"kvtier-issue"} if worker else {threading.main_thread().name})
 
 
-def _auto_engine(monkeypatch, inline: int = 0) -> list[str]:
-    """The copy engine 'available' (batches run as memmoves) and ``auto`` taking it for any
-    size; batches of more than ``inline`` descriptors are enqueued by the worker and loads get
-    a kernel lead layer (0: every batch). Returns the threads that issued batches."""
-    threads: list[str] = []
-
-    def batch(dsts, srcs, sizes, stream):
-        threads.append(threading.current_thread().name)
-        for d, s, n in zip(dsts, srcs, sizes):
-            ctypes.memmove(int(d), int(s), int(n))
-
-    monkeypatch.setattr(copier_mod, "engine_support", lambda device: EngineSupport(True))
-    monkeypatch.setattr(copier_mod, "memcpy_batch", batch)
-    for d in ("d2h", "h2d"):
-        crossover = dispatch.Crossover(1, 1, 10**9, inline_descriptors=inline)
-        monkeypatch.setitem(dispatch.CROSSOVERS, d, crossover)
-    return threads
-
-
 def test_auto_engine_loads_lead_with_the_kernel(monkeypatch):
     """Under auto, a copy-engine load issues its first step through the kernel, inline; the
     issue thread enqueues the rest; every position equals a cold computation."""
-    threads = _auto_engine(monkeypatch)
+    threads = auto_engine(monkeypatch)
     cache = make_cache(
         MODELS["full+swa"], "write_through", io_backend="auto", host_layout="layer_first"
     )
@@ -137,7 +119,7 @@ def test_auto_engine_loads_of_few_descriptors_stay_inline(monkeypatch):
     """Under auto, batches of few descriptors are enqueued by the thread that needs them even
     with an issue worker, and a load takes no kernel lead; every position equals a cold
     computation, and each wait issues what it needs (``InlineSteps``)."""
-    threads = _auto_engine(monkeypatch, inline=10**6)
+    threads = auto_engine(monkeypatch, inline=10**6)
     cache = make_cache(
         MODELS["full+swa"], "write_through", io_backend="auto", host_layout="layer_first"
     )
@@ -152,7 +134,7 @@ def test_auto_engine_loads_of_few_descriptors_stay_inline(monkeypatch):
 def test_inline_first_step_failure_requeues_the_batch(monkeypatch):
     """A failure while the first step is issued inline leaves the batch queued (nothing on the
     books in flight); a later start_loading issues it and the hit is served exactly."""
-    _auto_engine(monkeypatch)
+    auto_engine(monkeypatch)
     cache = make_cache(
         MODELS["full"], "write_through", io_backend="auto", host_layout="layer_first"
     )
@@ -203,7 +185,7 @@ def test_first_step_is_issued_before_the_rest_is_planned(monkeypatch, backend):
     page ids, descriptor counts) are made, so that work is no longer ahead of the first copy;
     the full plan then reuses the lead's indices; every position equals a cold computation."""
     if backend == "auto":
-        _auto_engine(monkeypatch)
+        auto_engine(monkeypatch)
     cache = make_cache(
         MODELS["full"], "write_through", io_backend=backend, host_layout="layer_first"
     )
@@ -247,7 +229,7 @@ def test_first_step_is_issued_before_the_rest_is_planned(monkeypatch, backend):
 def test_a_failure_planning_the_rest_after_the_first_step_requeues_the_batch(monkeypatch):
     """The first step is already issued when planning the rest fails: the batch goes back to
     the queue (nothing on the books in flight), and a later start_loading serves it exactly."""
-    _auto_engine(monkeypatch)
+    auto_engine(monkeypatch)
     cache = make_cache(
         MODELS["full"], "write_through", io_backend="auto", host_layout="layer_first"
     )

@@ -15,8 +15,8 @@ import torch
 from kvtier.kernels.copier import IssueWorker
 from kvtier.runtime import controller as ctl_mod
 from kvtier.runtime.controller import InlineSteps
+from tests.runtime.engine_emulation import auto_engine
 from tests.runtime.synthetic import MODELS, make_cache, run_turn
-from tests.runtime.test_copy_engine_cache import _auto_engine
 
 _SEQ = itertools.count()
 
@@ -47,13 +47,6 @@ class _Stream:
 
     def wait_stream(self, other) -> None:
         pass
-
-
-def _engine(monkeypatch, inline: int) -> None:
-    """The copy engine as memmoves, ``auto`` taking it for any size, batches of more than
-    ``inline`` descriptors going to the worker; before the cache is made (its copiers probe
-    the engine once)."""
-    _auto_engine(monkeypatch, inline)
 
 
 def _fake_cuda(monkeypatch, cache):
@@ -102,7 +95,7 @@ def _host_hit(cache, seed: int = 3):
 @pytest.mark.parametrize("backend", ["auto", "copy_engine"])
 @pytest.mark.parametrize("model", ["full", "full+swa+mamba"])
 def test_every_wait_and_ack_has_its_event(monkeypatch, model, backend, inline, worker, ahead):
-    _engine(monkeypatch, inline)
+    auto_engine(monkeypatch, inline)
     cache = make_cache(
         MODELS[model], "write_through", io_backend=backend, host_layout="layer_first"
     )
@@ -120,7 +113,7 @@ def test_every_wait_and_ack_has_its_event(monkeypatch, model, backend, inline, w
 
 @pytest.mark.parametrize("inline", [0, 10**6], ids=["worker-sized", "inline-sized"])
 def test_a_load_is_not_acknowledged_before_its_copies_finish(monkeypatch, inline):
-    _engine(monkeypatch, inline)
+    auto_engine(monkeypatch, inline)
     cache = make_cache(
         MODELS["full"], "write_through", io_backend="auto", host_layout="layer_first"
     )
