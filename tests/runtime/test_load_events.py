@@ -12,11 +12,12 @@ import itertools
 import pytest
 import torch
 
+from kvtier.kernels import copier as copier_mod
 from kvtier.kernels.copier import IssueWorker
 from kvtier.runtime import controller as ctl_mod
 from kvtier.runtime.controller import InlineSteps
 from tests.runtime.engine_emulation import auto_engine
-from tests.runtime.synthetic import MODELS, make_cache, run_turn
+from tests.runtime.synthetic import MODELS, check_cached, make_cache, run_turn
 
 _SEQ = itertools.count()
 
@@ -131,6 +132,37 @@ def test_a_load_is_not_acknowledged_before_its_copies_finish(monkeypatch, inline
     for _ in range(3):
         assert ctl.poll() == (0, 0)
     monkeypatch.setattr(_Event, "query", lambda self: self.at is not None)
+    cache.abort(req)
+    cache.drain()
+    cache.check_integrity()
+
+
+@pytest.mark.parametrize("model", ["full", "full+swa"])
+def test_a_failed_inline_first_call_requeues_the_batch(monkeypatch, model):
+    """A small copy-engine load whose first batch call fails (helper 70): the batch goes back
+    to the queue with the books as they were, nothing in flight, and a later start_loading
+    serves the hit exactly."""
+    auto_engine(monkeypatch, 10**6)
+    cache = make_cache(MODELS[model], "write_through", io_backend="auto", host_layout="layer_first")
+    ctl = _fake_cuda(monkeypatch, cache)
+    ctl._worker = IssueWorker()
+    conv = _host_hit(cache)
+    req = cache.match(conv + [7, 7, 1, 2])
+    assert req.host_hit > 0
+    cache.reserve(req, len(req.token_ids) + 3)
+    real = copier_mod.memcpy_batch
+
+    def broken(*args):
+        raise RuntimeError("batch failed")
+
+    monkeypatch.setattr(copier_mod, "memcpy_batch", broken)
+    queued = list(ctl._queued)
+    with pytest.raises(RuntimeError, match="batch failed"):
+        cache.start_loading()
+    assert ctl._queued == queued and not ctl._loads
+    monkeypatch.setattr(copier_mod, "memcpy_batch", real)
+    assert cache.start_loading()
+    check_cached(cache, req)
     cache.abort(req)
     cache.drain()
     cache.check_integrity()
