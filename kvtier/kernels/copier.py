@@ -140,7 +140,7 @@ class HostCopier:
         # What plan_lead worked out for an inline copy-engine load, for the plan() call that
         # follows it with the same index tensors, unchanged (their versions): page ids,
         # descriptor count and route once.
-        self._counted: tuple | None = None
+        self._counted: _Counted | None = None
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -216,15 +216,11 @@ class HostCopier:
             )
         counted, self._counted = self._counted, None
         known: Route | None = None  # plan_lead's route and count, for a per-layer load
-        if (
-            counted is not None
-            and counted[0] is dev_idx
-            and counted[1] is host_idx
-            and counted[2] == (dev_idx._version, host_idx._version)  # not rewritten in place
-        ):
-            d_items, h_items, layer_bytes, pages, most, known = counted[3:]
-            if d2h or not per_layer:
-                known = None
+        if counted is not None and counted.of(dev_idx, host_idx):
+            d_items, h_items, layer_bytes = counted.d_items, counted.h_items, counted.layer_bytes
+            pages, most = counted.pages, counted.most
+            if not d2h and per_layer:
+                known = counted.route
         else:
             pages = None
             d_items, h_items, layer_bytes = self._pair(dev_idx, host_idx)
@@ -286,10 +282,12 @@ class HostCopier:
         if self.io_backend not in ("auto", "kernel"):
             return None
         d_items, h_items, layer_bytes = self._pair(dev_idx, host_idx)
-        counted = self._inline_engine(d_items, h_items, layer_bytes)
-        if counted is not None:
+        inline = self._inline_engine(d_items, h_items, layer_bytes)
+        if inline is not None:
             versions = (dev_idx._version, host_idx._version)
-            self._counted = (dev_idx, host_idx, versions, d_items, h_items, layer_bytes, *counted)
+            self._counted = _Counted(
+                dev_idx, host_idx, versions, d_items, h_items, layer_bytes, *inline
+            )
             return None
         route = Route(self.kernel_path, RouteReason.LEAD_LAYER)
         return self._plan_kernel(route, d_items, h_items, False, layer_bytes)
@@ -405,6 +403,30 @@ class HostCopier:
             return
         if self.io_backend == "staged" or any(x.staged for x in CROSSOVERS.values()):
             self.stager().warmup()
+
+
+@dataclass
+class _Counted:
+    """What ``plan_lead`` worked out for an inline copy-engine load, for the ``plan`` call of
+    the same index tensors that follows it."""
+
+    dev_idx: torch.Tensor
+    host_idx: torch.Tensor
+    versions: tuple[int, int]  # the tensors' versions then: rewritten in place, not reused
+    d_items: np.ndarray
+    h_items: np.ndarray
+    layer_bytes: int
+    pages: tuple[np.ndarray, np.ndarray]
+    most: int  # descriptors of a layer's call
+    route: Route
+
+    def of(self, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> bool:
+        """Whether these are the same tensors, unchanged."""
+        return (
+            self.dev_idx is dev_idx
+            and self.host_idx is host_idx
+            and self.versions == (dev_idx._version, host_idx._version)
+        )
 
 
 def _with_lead(plan: CopyPlan, lead: CopyPlan | None) -> CopyPlan:
