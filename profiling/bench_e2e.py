@@ -257,10 +257,13 @@ def time_start(cache, tokens: list[int], n: int, prepare, reps: int = 5) -> None
         (copier_mod.HostCopier, "_pair"),
         (copier_mod.HostCopier, "route"),
         (copier_mod.HostCopier, "_inline_engine"),
-        (copier_mod, "build_descriptors"),
+        (copier_mod, "build_descriptors"),  # before 2026-11-28 (stop 31): the whole build
+        (copier_mod, "page_runs"),
+        (copier_mod, "runs_descriptors"),
+        (copier_mod.LayerEntries if hasattr(copier_mod, "LayerEntries") else None, "__call__"),
         (copier_mod, "memcpy_batch"),
         (torch.cuda.Event, "record"),
-        (copier_mod, "layer_descriptors"),
+        (copier_mod, "layer_descriptors"),  # before stop 31
         (copier_mod, "copy_host_to_device"),
         (copier_mod.IssueWorker, "submit"),
         (torch.cuda, "current_stream"),
@@ -297,7 +300,8 @@ def time_start(cache, tokens: list[int], n: int, prepare, reps: int = 5) -> None
         acc.clear()
         try:
             for o, nm in targets:  # each one restored below, even if a later one fails
-                saved.append(wrap(o, nm))
+                if o is not None and hasattr(o, nm):  # (an older kvtier in an A/B lacks some)
+                    saved.append(wrap(o, nm))
             t0 = time.perf_counter()
             req = cache.match(tokens)
             t1 = time.perf_counter()

@@ -31,10 +31,12 @@ import torch
 from kvtier.kernels.copy_engine import (
     ChunkGeometry,
     Descriptors,
-    build_descriptors,
+    LayerEntries,
+    PageRuns,
     engine_support,
-    layer_descriptors,
     memcpy_batch,
+    page_runs,
+    runs_descriptors,
     stream_handle,
     upload_indices,
 )
@@ -216,9 +218,10 @@ class HostCopier:
             )
         counted, self._counted = self._counted, None
         known: Route | None = None  # plan_lead's route and count, for a per-layer load
+        runs: PageRuns | None = None
         if counted is not None and counted.of(dev_idx, host_idx):
             d_items, h_items, layer_bytes = counted.d_items, counted.h_items, counted.layer_bytes
-            pages, most = counted.pages, counted.most
+            pages, runs = counted.pages, counted.runs
             if not d2h and per_layer:
                 known = counted.route
         else:
@@ -237,18 +240,17 @@ class HostCopier:
         if route.path == "staged":
             return _with_lead(self._plan_staged(route, d_pages, h_pages, d2h, per_layer), lead_plan)
         geom = self.geometry
+        if runs is None:
+            runs = page_runs(geom, d_pages, h_pages)
 
         @functools.cache
         def build() -> Descriptors:
-            return build_descriptors(
-                geom, d_pages, h_pages, d2h=d2h, layers=range(L), per_layer=per_layer
-            )
+            return runs_descriptors(geom, runs, d2h=d2h, layers=range(L), per_layer=per_layer)
 
         # A load's descriptors are built when its first copy-engine step is issued (on the
         # issue worker, or inline for a batch of few): here only counted, for the route. A
         # backup's are built now.
-        if known is None:
-            most = layer_descriptors(geom, d_pages, h_pages) if per_layer else _most(build())
+        most = geom.num_buffers * len(runs) if per_layer else _most(build())
         if self.io_backend == "auto" and known is None:
             # Weigh what enqueueing this batch costs: its largest call's descriptors.
             route = self.route(d2h=d2h, call_bytes=call_bytes, descriptors=most)
@@ -257,7 +259,14 @@ class HostCopier:
                 return _with_lead(plan, lead_plan)
             if route.path != "copy_engine":
                 return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L, lead_plan)
-        plan = self._plan_engine(route, build, most, layer_bytes * L, d2h, per_layer)
+        inline = CROSSOVERS["d2h" if d2h else "h2d"].inline_descriptors
+        if per_layer and most <= inline:
+            # Few entries a layer: each built in Python when its layer is issued, the first
+            # before the forward pass, the rest at its waits (LayerEntries).
+            group: Callable[[int], tuple] = LayerEntries(geom, runs, d2h=d2h)
+        else:
+            group = lambda g: _group(build(), g)  # noqa: E731
+        plan = self._plan_engine(route, group, most, layer_bytes * L, d2h, per_layer)
         if (
             lead_plan is None
             and lead
@@ -294,18 +303,19 @@ class HostCopier:
 
     def _inline_engine(
         self, d_items: np.ndarray, h_items: np.ndarray, layer_bytes: int
-    ) -> tuple[tuple[np.ndarray, np.ndarray], int, Route] | None:
-        """Both sides' page ids, the descriptors of a layer's call and the route, where
+    ) -> tuple[tuple[np.ndarray, np.ndarray], PageRuns, Route] | None:
+        """Both sides' page ids, their runs (:func:`page_runs`) and the route, where
         ``"auto"`` sends a per-layer host-to-device load of these items to the copy engine in
         calls of at most the crossover's ``inline_descriptors`` (see ``plan_lead``); None
         otherwise."""
         if self.io_backend != "auto" or self.engine_reason or not self.geometry.contiguous:
             return None
         pages = self._pages(d_items), self._pages(h_items)
-        most = layer_descriptors(self.geometry, *pages)
+        runs = page_runs(self.geometry, *pages)
+        most = self.geometry.num_buffers * len(runs)
         route = self.route(d2h=False, call_bytes=layer_bytes, descriptors=most)
         if route.path == "copy_engine" and most <= CROSSOVERS["h2d"].inline_descriptors:
-            return pages, most, route
+            return pages, runs, route
         return None
 
     def _pair(
@@ -356,15 +366,15 @@ class HostCopier:
     def _plan_engine(
         self,
         route: Route,
-        desc: Callable[[], Descriptors],
+        group: Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray, int]],
         most: int,
         total: int,
         d2h: bool,
         per_layer: bool,
     ) -> CopyPlan:
-        # ``desc`` builds (once) the batch's descriptors, asked when the plan is first issued;
-        # each group's contiguous arrays are made when it is first issued too: on the issue
-        # worker for all but a load's first layer, off the thread that starts the forward pass.
+        # ``group(g)`` gives group ``g``'s call (``(dst, src, sizes, bytes)``), made when it is
+        # first issued: on the issue worker for all but a load's first layer, or by the waits
+        # of a load enqueued inline; either way off the thread's path to the forward pass.
         groups: dict[int, tuple] = {}
         device, layout = self.dev.device, self.layout
 
@@ -372,10 +382,10 @@ class HostCopier:
             if per_layer and layer is None:
                 raise ValueError("layer: this plan is per layer; pass the layer to issue")
             g = layer if per_layer else 0
-            group = groups.get(g)
-            if group is None:
-                group = groups[g] = _group(desc(), g)
-            dsts, srcs, sizes, nbytes = group
+            call = groups.get(g)
+            if call is None:
+                call = groups[g] = group(g)
+            dsts, srcs, sizes, nbytes = call
             shown = layer if per_layer else None
             with nvtx_range(copy_range_name(d2h, "copy_engine", shown, layout, nbytes)):
                 memcpy_batch(dsts, srcs, sizes, stream_handle(device))
@@ -417,7 +427,7 @@ class _Counted:
     h_items: np.ndarray
     layer_bytes: int
     pages: tuple[np.ndarray, np.ndarray]
-    most: int  # descriptors of a layer's call
+    runs: PageRuns  # a layer's call: a descriptor per (buffer, run) at most
     route: Route
 
     def of(self, dev_idx: torch.Tensor, host_idx: torch.Tensor) -> bool:

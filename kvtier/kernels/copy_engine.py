@@ -38,12 +38,16 @@ __all__ = [
     "ChunkGeometry",
     "Descriptors",
     "EngineSupport",
+    "LayerEntries",
+    "PageRuns",
     "batch_call_kind",
     "build_descriptors",
     "engine_support",
     "layer_descriptors",
     "memcpy_2d",
     "memcpy_batch",
+    "page_runs",
+    "runs_descriptors",
     "stream_handle",
     "upload_indices",
 ]
@@ -188,20 +192,47 @@ def _check_contiguous(geom: ChunkGeometry) -> None:
         raise ValueError("host: chunks are not contiguous in this layout; use the kernel path")
 
 
+@dataclass(frozen=True)
+class PageRuns:
+    """A batch's page pairs as runs consecutive on both sides: run ``r`` moves ``pages[r]``
+    pages from device page ``dev[r]`` and host page ``host[r]`` on (int64 arrays). Their
+    chunks are adjacent alike in every buffer and layer, so a layer's call takes one
+    descriptor per (buffer, run) at most (:func:`page_runs`)."""
+
+    dev: np.ndarray
+    host: np.ndarray
+    pages: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.dev)
+
+
+def page_runs(geom: ChunkGeometry, dev_pages: np.ndarray, host_pages: np.ndarray) -> PageRuns:
+    """The runs of device page ``dev_pages[i]`` paired with host page ``host_pages[i]``, pairs
+    with a ``-1`` on either side skipped."""
+    _check_contiguous(geom)
+    # Few numpy calls on the common paths (no skips; one run): each costs ~3 µs of CPU when
+    # cold, as a load's first call before its forward pass is.
+    dp = dev_pages.astype(np.int64, copy=False)
+    hp = host_pages.astype(np.int64, copy=False)
+    keep = (dp >= 0) & (hp >= 0)
+    if not keep.all():
+        dp, hp = dp[keep], hp[keep]
+    if not dp.size:
+        return PageRuns(dp, hp, np.zeros(0, dtype=np.int64))
+    brk = np.flatnonzero((np.diff(dp) != 1) | (np.diff(hp) * geom.stride_page != geom.chunk_bytes))
+    if not brk.size:
+        return PageRuns(dp[:1], hp[:1], np.array([dp.size], dtype=np.int64))
+    first = np.concatenate((np.zeros(1, dtype=np.int64), brk + 1))
+    return PageRuns(dp[first], hp[first], np.diff(np.append(first, dp.size)))
+
+
 def layer_descriptors(geom: ChunkGeometry, dev_pages: np.ndarray, host_pages: np.ndarray) -> int:
     """At most how many descriptors :func:`build_descriptors` gives one layer of this batch,
-    without building any: each buffer's pages merge where they are consecutive on both sides
-    (a chunk could also continue into the next buffer's first page when the two tensors
-    happen to touch; not counted, so this is an upper bound). Pairs with a ``-1`` are skipped."""
-    _check_contiguous(geom)
-    keep = (dev_pages >= 0) & (host_pages >= 0)
-    dp = dev_pages[keep].astype(np.int64, copy=False)
-    hp = host_pages[keep].astype(np.int64, copy=False)
-    if dp.size == 0:
-        return 0
-    c = geom.chunk_bytes
-    breaks = np.count_nonzero((np.diff(dp) != 1) | (np.diff(hp) * geom.stride_page != c))
-    return geom.num_buffers * (1 + int(breaks))
+    without building any: one per (buffer, run) (a chunk could also continue into the next
+    buffer's first page when the two tensors happen to touch; not counted, so this is an upper
+    bound). Pairs with a ``-1`` are skipped."""
+    return geom.num_buffers * len(page_runs(geom, dev_pages, host_pages))
 
 
 def build_descriptors(
@@ -220,24 +251,21 @@ def build_descriptors(
     Within a group, entries run layer-major, then buffer, then page, and a chunk that continues
     the previous one on both sides is merged into it.
     """
-    _check_contiguous(geom)
-    keep = (dev_pages >= 0) & (host_pages >= 0)
-    dp = dev_pages[keep].astype(np.int64, copy=False)
-    hp = host_pages[keep].astype(np.int64, copy=False)
+    runs = page_runs(geom, dev_pages, host_pages)
+    return runs_descriptors(geom, runs, d2h=d2h, layers=layers, per_layer=per_layer)
+
+
+def runs_descriptors(
+    geom: ChunkGeometry, runs: PageRuns, *, d2h: bool, layers: Sequence[int], per_layer: bool
+) -> Descriptors:
+    """:func:`build_descriptors` of the runs :func:`page_runs` found."""
     lay = np.asarray(layers, dtype=np.int64)
     B, c = geom.num_buffers, geom.chunk_bytes
-    # Runs of pages consecutive on both sides first (their chunks are adjacent alike in every
-    # buffer and layer), so the arrays below are runs x buffers x layers, not pages x buffers
-    # x layers (a 7K-token load of 448 pages in one run: 64 entries instead of 28,672; the
-    # build before its forward took 335 -> 170 µs on an H200 host).
-    if dp.size:
-        brk = np.flatnonzero((np.diff(dp) != 1) | (np.diff(hp) * geom.stride_page != c)) + 1
-        first_page = np.concatenate((np.zeros(1, dtype=np.int64), brk))
-        run_bytes = np.diff(np.append(first_page, dp.size)) * c
-        dp, hp = dp[first_page], hp[first_page]
-    else:
-        run_bytes = np.zeros(0, dtype=np.int64)
-    n = dp.size
+    # Runs, not pages: the arrays below are runs x buffers x layers, not pages x buffers x
+    # layers (a 7K-token load of 448 pages in one run: 64 entries instead of 28,672; the build
+    # before its forward took 335 -> 170 µs on an H200 host).
+    dp, hp, n = runs.dev, runs.host, len(runs)
+    run_bytes = runs.pages * c
     # [layer, buffer, run]: the device side from each tensor's address, the host side from
     # the four strides (the same description the Triton kernel computes offsets from).
     dev = geom.dev_addr[:, lay].T[:, :, None] + (dp * c)[None, None, :]
@@ -270,6 +298,49 @@ def build_descriptors(
         offsets=offsets.astype(np.int64, copy=False),
         layers=tuple(int(x) for x in lay),
     )
+
+
+class LayerEntries:
+    """One layer's descriptors of a batch of few runs, built in Python when the layer is
+    issued: group ``g`` of ``runs_descriptors(..., layers=range(L), per_layer=True)``, for
+    the cost of a few list operations instead of its ~25 numpy calls (~3 µs each when cold, as
+    a load's first call is: each numpy call's fixed cost, not the data, made the whole build
+    170 µs of CPU before the forward pass on an H200 host). Worth it while the entries are
+    few (a load the crossover sends inline); many are built with numpy at once."""
+
+    def __init__(self, geom: ChunkGeometry, runs: PageRuns, *, d2h: bool) -> None:
+        c = geom.chunk_bytes
+        self._dev_addr = geom.dev_addr.tolist()
+        self._host = [geom.host_addr + b * geom.stride_buffer for b in range(geom.num_buffers)]
+        self._stride_layer = geom.stride_layer
+        self._runs = [
+            (d * c, h * geom.stride_page, n * c)
+            for d, h, n in zip(runs.dev.tolist(), runs.host.tolist(), runs.pages.tolist())
+        ]
+        self._d2h = d2h
+
+    def __call__(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """``(dst, src, sizes, bytes)`` of layer ``layer``'s call."""
+        src: list[int] = []
+        dst: list[int] = []
+        size: list[int] = []
+        host_layer = layer * self._stride_layer
+        for dev_row, host_base in zip(self._dev_addr, self._host):
+            dev_base, host_base = dev_row[layer], host_base + host_layer
+            for d, h, n in self._runs:
+                s, t = (dev_base + d, host_base + h) if self._d2h else (host_base + h, dev_base + d)
+                if size and src[-1] + size[-1] == s and dst[-1] + size[-1] == t:
+                    size[-1] += n  # continues the previous entry on both sides (see above)
+                else:
+                    src.append(s)
+                    dst.append(t)
+                    size.append(n)
+        return (
+            np.array(dst, dtype=np.int64),
+            np.array(src, dtype=np.int64),
+            np.array(size, dtype=np.int64),
+            sum(size),
+        )
 
 
 class _BatchCall:

@@ -19,7 +19,13 @@ import torch
 from kvtier.kernels import copier as copier_mod
 from kvtier.kernels import copy_engine
 from kvtier.kernels.copier import HostCopier
-from kvtier.kernels.copy_engine import ChunkGeometry, build_descriptors, engine_support
+from kvtier.kernels.copy_engine import (
+    ChunkGeometry,
+    LayerEntries,
+    build_descriptors,
+    engine_support,
+    page_runs,
+)
 from kvtier.kernels.dispatch import CROSSOVERS, Route, RouteReason, check_io_backend, select_route
 from kvtier.kernels.reference import ref_copy_kv
 from tests.kernels.helpers import (
@@ -345,6 +351,15 @@ def test_descriptors_equal_the_naive_build(seed):
                     src, dst, sizes = got.group(g)
                     rows = [list(x) for x in zip(src.tolist(), dst.tolist(), sizes.tolist())]
                     assert rows == entries, (trial, d2h, per_layer, g)
+                if not per_layer:
+                    continue
+                # The Python build of one layer's call (a load of few runs): the same.
+                entries_of = LayerEntries(geom, page_runs(geom, d_pages, h_pages), d2h=d2h)
+                for layer, entries in zip(layers, want):
+                    dst, src, sizes, nbytes = entries_of(int(layer))
+                    assert all(a.dtype == np.int64 for a in (dst, src, sizes))
+                    rows = [list(x) for x in zip(src.tolist(), dst.tolist(), sizes.tolist())]
+                    assert rows == entries and nbytes == sum(e[2] for e in entries), (trial, d2h)
 
 
 @pytest.mark.parametrize("B, L_, per_layer", [(1, 3, False), (2, 1, True), (2, 1, False)])
@@ -372,6 +387,12 @@ def test_descriptors_merge_across_touching_tensors(B, L_, per_layer):
     groups = L_ if per_layer else 1
     assert np.all(np.diff(desc.offsets) == 1) and len(desc.offsets) == groups + 1
     assert desc.sizes.tolist() == [B * L_ * pages * c // groups] * groups
+    if per_layer:  # the Python build of a layer's call merges them alike
+        entries_of = LayerEntries(geom, page_runs(geom, all_pages, all_pages), d2h=True)
+        for layer in range(L_):
+            dst, src, sizes, nbytes = entries_of(layer)
+            assert sizes.tolist() == [B * pages * c] == [nbytes]
+            assert (src.tolist(), dst.tolist()) == ([geom.dev_addr[0, layer]], [geom.host_addr])
 
 
 @pytest.mark.parametrize("P", [1, 16, 64])
@@ -561,9 +582,9 @@ def test_plan_reuses_plan_leads_counts_for_the_same_indices_only(emulated_engine
     c = HostCopier(dev, host, io_backend="auto")
     c.route = lambda **kw: Route("copy_engine", RouteReason.AUTO_ENGINE)
     pairs, counts = [], []
-    pair, count = HostCopier._pair, copier_mod.layer_descriptors
+    pair, count = HostCopier._pair, copier_mod.page_runs
     monkeypatch.setattr(HostCopier, "_pair", lambda self, d, h: pairs.append(1) or pair(self, d, h))
-    monkeypatch.setattr(copier_mod, "layer_descriptors", lambda *a: counts.append(1) or count(*a))
+    monkeypatch.setattr(copier_mod, "page_runs", lambda *a: counts.append(1) or count(*a))
 
     def slots():
         d = pages_to_slots(pick_pages(DEV_PAGES, 2, gen), P)
