@@ -583,13 +583,13 @@ class CacheController:
                 all_plans = [p for pool_plans in plans.values() for _, p in pool_plans]
                 steps, ahead = len(self.layer_map), self.load_ahead
                 if not self._offload(all_plans):
-                    # The first steps now, the rest as the forward pass waits for them. A
-                    # batch on the copy engine starts with one step: each later call costs
-                    # tens of µs at a wait, where the CPU is ahead of the GPU, not before the
-                    # forward's first launch; kernel copies start ``ahead`` steps further on,
-                    # before the forward's kernels take the SMs.
-                    engine = any(p.route.path == "copy_engine" for p in all_plans)
-                    head = 1 if engine or not ahead else 1 + ahead
+                    # The first ``1 + ahead`` steps now, the rest as the forward pass waits
+                    # for them. Kernel copies start before the forward's kernels take the
+                    # SMs. Copy-engine calls too: right after the first they cost ~20 µs
+                    # each, where the first wait paid ~110 µs a call with the CPU's caches
+                    # cold, and at that wait the forward is still launch-bound (H200,
+                    # bench_e2e --layer-trace: layer 0's attention launched 0.22 ms late).
+                    head = 1 + ahead if ahead else 1
                     if not self.cuda or not ahead or steps <= head:
                         enqueue(first=done)
                     else:

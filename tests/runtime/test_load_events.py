@@ -116,18 +116,20 @@ def test_every_wait_and_ack_has_its_event(monkeypatch, model, backend, inline, w
 def test_a_load_is_not_acknowledged_before_its_copies_finish(monkeypatch, inline):
     auto_engine(monkeypatch, inline)
     cache = make_cache(
-        MODELS["full"], "write_through", io_backend="auto", host_layout="layer_first"
+        MODELS["full+swa"], "write_through", io_backend="auto", host_layout="layer_first"
     )
     ctl = _fake_cuda(monkeypatch, cache)
     ctl._worker = IssueWorker()
+    ctl.load_ahead = 1  # three steps: two issued at the start, one left for the waits
     conv = _host_hit(cache)
     req = cache.match(conv + [7, 7, 1, 2])
     assert req.host_hit > 0
     cache.reserve(req, len(req.token_ids) + 3)
     assert cache.start_loading()
     op = ctl._loads[-1]
-    if inline:  # a small copy-engine batch: step 0 now, the rest as the forward pass waits
-        assert isinstance(op.ticket, InlineSteps) and op.ticket.issued == 1
+    if inline:  # a small copy-engine batch: 1 + ahead steps now, the rest as the forward waits
+        assert isinstance(op.ticket, InlineSteps)
+        assert op.ticket.issued == 1 + ctl.load_ahead < op.ticket.steps
     monkeypatch.setattr(_Event, "query", lambda self: False)  # the GPU is still copying
     for _ in range(3):
         assert ctl.poll() == (0, 0)
