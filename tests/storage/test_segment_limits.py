@@ -510,3 +510,61 @@ def test_small_records_in_smaller_segments_stay_under_the_capacity(tmp_path: Pat
     assert smaller, "no segment was made smaller"
     for w in writers:
         w.close()
+
+
+def test_idle_writers_give_back_their_room_when_another_asks(tmp_path: Path, monkeypatch) -> None:
+    """Three writers store a page each and go idle, each holding a whole preallocated segment;
+    a fourth finds the capped root short and gets a partial segment, which asks for room
+    (``RootLock.ask_for_room``). The idle writers' next calls (an ``exists``) give their
+    preallocated room back once idle for ``IDLE_GIVE_BACK_S`` (not before: they just wrote),
+    and the fourth's next segment is whole. Every page reads back exact, the root never over
+    its capacity."""
+    from kvtier.storage.segments import writer as writer_module
+
+    root = tmp_path / "l3"
+    record = RECORD_HEAD + PAGE
+    cap = 32 * record
+    kw = dict(capacity_bytes=cap, segment_bytes=8 * record, io_threads=0)
+
+    def put(w: SegmentBackend, keys: list[str]) -> None:
+        assert w.set([PoolTransfer("kv", keys, [expected(h) for h in keys])]).all_ok
+
+    def held(w: SegmentBackend) -> int | None:
+        """The bytes of the writer's active segment file (None: it holds none)."""
+        act = w._writer._lanes[0]._active
+        return None if act is None else (root / f"{act.seg.stem}.kvs").stat().st_size
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in root.iterdir() if p.suffix in (".kvs", ".kvj"))
+
+    idle = [store(root, **kw) for _ in range(3)]
+    for i, w in enumerate(idle):
+        put(w, [H[100 + i]])
+    whole = held(idle[0])
+    assert whole is not None and whole >= 8 * record
+    busy = store(root, **kw)
+    asked = busy._lock.room_asked()
+    put(busy, [H[110]])
+    assert held(busy) < whole, "a partial grant: the others hold the room"
+    assert busy._lock.room_asked() == asked + 1
+    assert on_disk() <= cap
+    for w in idle:  # idle for less than IDLE_GIVE_BACK_S: they keep it
+        assert w.exists([PoolTransfer("kv", [H[110]], [])]) == 1
+        assert held(w) == whole
+    monkeypatch.setattr(writer_module, "IDLE_GIVE_BACK_S", 0.0)
+    for i, w in enumerate(idle):  # the request is still pending for them: given back now
+        assert w.exists([PoolTransfer("kv", [H[110]], [])]) == 1
+        assert held(w) is None
+        stems = {p.stem for p in root.glob(f"{w._writer._lanes[0]._name}-*.kvs")}
+        assert [(root / f"{s}.kvs").stat().st_size for s in stems] == [record], i
+    for i in range(16):  # past its partial segment: a whole one now
+        put(busy, [H[120 + i]])
+        assert on_disk() <= cap, i
+    assert held(busy) == whole
+    reader = store(root, **kw)
+    keys = [H[100], H[101], H[102], H[110], *H[120:136]]
+    out = [torch.zeros(PAGE, dtype=torch.uint8) for _ in keys]
+    assert reader.get([PoolTransfer("kv", keys, out)]).all_ok
+    assert all(torch.equal(o, expected(h)) for o, h in zip(out, keys))
+    for w in (*idle, busy, reader):
+        w.close()

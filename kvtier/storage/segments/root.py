@@ -206,6 +206,23 @@ class RootLock:
         if self._fd is not None:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
+    # The lock file's first 8 bytes count the times a writer found the root short of room (a
+    # roll granted less than a whole segment, or nothing): every process reads it cheaply and
+    # gives back the preallocated room of its idle writers when it moves (Writer.give_back).
+
+    def ask_for_room(self) -> None:
+        """Count one more request for room (the lock held)."""
+        fd = self._open()
+        os.pwrite(fd, (self.room_asked() + 1).to_bytes(8, "little"), 0)
+
+    def room_asked(self) -> int:
+        """The requests for room so far (0 before any, or if the lock file cannot be read)."""
+        try:
+            raw = os.pread(self._open(), 8, 0)
+        except OSError:
+            return 0
+        return int.from_bytes(raw, "little") if len(raw) == 8 else 0
+
     def __enter__(self) -> RootLock:  # noqa: PYI034 - py3.10 has no typing.Self
         self.acquire()
         return self

@@ -367,8 +367,18 @@ class SegmentBackend(StorageBackend):
 
     # -- StorageBackend --------------------------------------------------------------------------
 
+    def _give_back_idle(self) -> None:
+        """``Writer.give_back`` from a call that appends nothing, unless an append is running
+        (this process's writer is busy then)."""
+        if self._append.acquire(blocking=False):
+            try:
+                self._writer.give_back()
+            finally:
+                self._append.release()
+
     @_gated
     def _contains(self, object_keys: list[str]) -> list[bool]:
+        self._give_back_idle()
         index = self._index
         with index.mutex:
             entries = index.entries
@@ -377,6 +387,7 @@ class SegmentBackend(StorageBackend):
 
     @_gated
     def _read(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
+        self._give_back_idle()
         ok, bad = self._reader.read(object_keys, pages)
         if bad:
             self.metrics.add_checksum_miss(bad)
@@ -384,6 +395,7 @@ class SegmentBackend(StorageBackend):
 
     @_gated
     def _write(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
+        self._give_back_idle()
         n = len(object_keys)
         out = [False] * n
         todo: list[int] = []
@@ -434,6 +446,7 @@ class SegmentBackend(StorageBackend):
     def _delete(self, object_keys: list[str]) -> list[bool]:
         """Tombstones in this process's journal for the keys the root holds (see the module
         docstring); a key it does not hold is gone already."""
+        self._give_back_idle()
         index = self._index
         with index.mutex:
             listed = index.listings

@@ -23,7 +23,8 @@ pieces of a run's size. Then the journal entries of the records before the first
 (``encode_entries``), follow with one ``pwrite`` (the worker's, or the caller's); with ``fsync``
 both files are ``fdatasync``-ed once per batch. Records of one size (a batch's usually are) are
 laid out in closed form (``layout``). A segment is preallocated when created, truncated to its
-records when the writer moves on (or closes), and never written again.
+records when the writer moves on (or closes, or, idle, gives its room back to another writer
+that asked for it: ``Writer.give_back``), and never written again.
 
 A writer killed at any point leaves records whose journal entry is missing (ignored), torn
 (parsing stops there) or present with the record's bytes incomplete or lost (the checksum fails:
@@ -173,6 +174,7 @@ class Lane:
         self._name, self._roll_lock = name, roll_lock
         self._numbers = 0
         self._active: _Active | None = None
+        self._last_append = time.monotonic()
         self.native = config.native  # the C loops where they are built (native.available())
 
     @property
@@ -220,7 +222,21 @@ class Lane:
                     break  # no room, no lock, or no disk: the rest of the batch fails
             k = self._append_some(act, keys, parts, lengths, counts, j, stamp, ok, uniform, helpers)
             j = k
+        self._last_append = time.monotonic()
         return ok
+
+    def give_back(self, idle_s: float) -> int | None:
+        """Finish the active segment if no append ran for ``idle_s`` seconds, giving back its
+        preallocated room (the next append starts a new segment, as room allows); the bytes
+        given back (0 with no active segment), or None where the lane appended since."""
+        act = self._active
+        if act is None:
+            return 0
+        if time.monotonic() - self._last_append < idle_s:
+            return None
+        self._active = None
+        self._finish(act)
+        return act.size - act.end
 
     def _append_some(
         self,
@@ -504,6 +520,10 @@ class Lane:
                     # they leave (so another writer can start too), at least the next record.
                     least = need + journal_reserve(need) if size else jcap  # jcap: tombstones
                     granted = self._space.make_room(size + jcap, cap, least)
+                    if granted < size + jcap:
+                        # Other writers' active segments crowd the root: ask their processes
+                        # to give back the preallocated room of the idle ones.
+                        self._space.lock.ask_for_room()
                     if not granted:
                         return None
                     if granted < size + jcap:  # its journal's reservation inside the grant
@@ -609,6 +629,8 @@ class Writer:
             Lane(config, segment_bytes, dirfd, index, space, pool, name, roll) for name in names
         ]
         self._pool, self._helpers = pool, config.io_threads
+        self._space = space
+        self._asked_seen = 0  # requests for room seen (RootLock.room_asked)
 
     def append(
         self,
@@ -656,6 +678,23 @@ class Writer:
                 ok[i] = good
         return ok
 
+    def give_back(self) -> int:
+        """Where a writer of any process asked for room since this process last looked
+        (``RootLock.ask_for_room``), finish the active segments of lanes idle for
+        ``IDLE_GIVE_BACK_S``: a lane holds its preallocated segment however long it stays idle,
+        and under a capped root that room is what other writers lack (many engines on one
+        root, some of them idle). One ``pread`` of the lock file when nobody asked, none when no
+        lane holds a segment. Callers hold the append lock; the bytes given back."""
+        if all(lane.active is None for lane in self._lanes):
+            return 0  # nothing held (a process that only reads never opens the lock file)
+        asked = self._space.lock.room_asked()
+        if asked == self._asked_seen:
+            return 0
+        given = [lane.give_back(IDLE_GIVE_BACK_S) for lane in self._lanes]
+        if None not in given:  # else a busy lane gives back once it has been idle that long
+            self._asked_seen = asked
+        return sum(g for g in given if g is not None)
+
     def tombstone(self, keys: list[str], times: Sequence[int] | None = None) -> list[bool]:
         """``Lane.tombstone`` in the first lane."""
         return self._lanes[0].tombstone(keys, times)
@@ -664,6 +703,12 @@ class Writer:
         """Finish every lane's active segment (deleting them with ``delete``)."""
         for lane in self._lanes:
             lane.close(delete)
+
+
+IDLE_GIVE_BACK_S = 1.0
+"""A lane that appended nothing for this long gives back its active segment's preallocated
+room when a writer asks for room (``Writer.give_back``); a lane that appends more often keeps
+it, so two busy writers on a crowded root do not start a segment each per batch."""
 
 
 LANE_MIN_RECORD = 128 << 10
