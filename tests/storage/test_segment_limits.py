@@ -568,3 +568,67 @@ def test_idle_writers_give_back_their_room_when_another_asks(tmp_path: Path, mon
     assert all(torch.equal(o, expected(h)) for o, h in zip(out, keys))
     for w in (*idle, busy, reader):
         w.close()
+
+
+def test_an_idle_writer_process_gives_back_its_room(tmp_path: Path) -> None:
+    """The same across processes: a child stores a page and waits, holding a whole
+    preallocated segment; this process's writers crowd the root until one is granted a partial
+    segment (asking for room through the lock file). The child's next call gives its room
+    back (its idle limit set to 0 in the child), its page still served."""
+    root = tmp_path / "l3"
+    record = RECORD_HEAD + PAGE
+    cap = 32 * record
+    kw = dict(capacity_bytes=cap, segment_bytes=8 * record, io_threads=0)
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        from kvtier.storage import Namespace, PoolTransfer, create_backend, page_hashes
+        from kvtier.storage.segments import writer
+        writer.IDLE_GIVE_BACK_S = 0.0
+        h = page_hashes(range(4 * 256), Namespace("limits-test", "bfloat16", 4, "page_first"))
+        b = create_backend("file", root={str(root)!r}, touch_interval_s=0, list_interval_s=0,
+                           capacity_bytes={cap}, segment_bytes={8 * record}, io_threads=0)
+        g = torch.Generator().manual_seed(int(h[90][:15], 16))
+        page = torch.randint(0, 256, ({PAGE},), dtype=torch.uint8, generator=g)
+        assert b.set([PoolTransfer("kv", [h[90]], [page])]).all_ok
+        lane = b._writer._lanes[0]
+        print("held", lane._active.size, flush=True)
+        sys.stdin.readline()
+        assert b.exists([PoolTransfer("kv", [h[90]], [])]) == 1
+        print("after", lane._active is None, flush=True)
+        b.close()
+        """
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=child_env(),
+        text=True,
+    )
+    ours: list[SegmentBackend] = []
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        held = int(child.stdout.readline().split()[1])
+        assert held >= 8 * record
+        ours += [store(root, **kw) for _ in range(3)]
+        for i, w in enumerate(ours):  # two whole segments fit beside the child's; then short
+            keys = [H[100 + i]]
+            assert w.set([PoolTransfer("kv", keys, [expected(h) for h in keys])]).all_ok
+        short = ours[-1]._writer._lanes[0]._active
+        assert short.size < held and ours[-1]._lock.room_asked() >= 1
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().split() == ["after", "True"]
+        assert child.wait(timeout=60) == 0
+        child_files = [p for p in root.glob(f"{child.pid}-*.kvs")]
+        assert [p.stat().st_size for p in child_files] == [record]
+        out = [torch.zeros(PAGE, dtype=torch.uint8)]
+        assert ours[0].get([PoolTransfer("kv", [H[90]], out)]).all_ok
+        assert torch.equal(out[0], expected(H[90]))
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    for w in ours:
+        w.close()
