@@ -30,11 +30,18 @@ __all__ = ["HostTier"]
 
 
 def _transfers(pairs: dict[str, tuple[list, list]], direction: str) -> tuple[Transfer, ...]:
+    """One transfer per pool with slots; a pool's one node's slots are used as they are (never
+    written in place: a node's slots are replaced, not edited), not copied by ``torch.cat``
+    (a 7K-token host hit's two: 51 -> 11 µs of CPU before the forward pass on the dev VM)."""
     return tuple(
-        Transfer(pool, torch.cat(dev), torch.cat(host), direction)
+        Transfer(pool, _joined(dev), _joined(host), direction)
         for pool, (dev, host) in pairs.items()
         if dev
     )
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class HostTier:
