@@ -561,8 +561,19 @@ def test_idle_writers_give_back_their_room_when_another_asks(tmp_path: Path, mon
         put(busy, [H[120 + i]])
         assert on_disk() <= cap, i
     assert held(busy) == whole
+    # A lane gives its room back at most every GIVE_BACK_EVERY_S: the next request is passed
+    # over (a root short all the time would make a segment per put), the one after that limit
+    # is served.
+    again = idle[0]
+    put(again, [H[140]])
+    for every, kept in ((writer_module.GIVE_BACK_EVERY_S, True), (0.0, False)):
+        monkeypatch.setattr(writer_module, "GIVE_BACK_EVERY_S", every)
+        with busy._lock:
+            busy._lock.ask_for_room()
+        assert again.exists([PoolTransfer("kv", [H[140]], [])]) == 1
+        assert (held(again) is not None) == kept, every
     reader = store(root, **kw)
-    keys = [H[100], H[101], H[102], H[110], *H[120:136]]
+    keys = [H[100], H[101], H[102], H[110], *H[120:136], H[140]]
     out = [torch.zeros(PAGE, dtype=torch.uint8) for _ in keys]
     assert reader.get([PoolTransfer("kv", keys, out)]).all_ok
     assert all(torch.equal(o, expected(h)) for o, h in zip(out, keys))

@@ -175,6 +175,7 @@ class Lane:
         self._numbers = 0
         self._active: _Active | None = None
         self._last_append = time.monotonic()
+        self._gave_back = -GIVE_BACK_EVERY_S  # when it last gave its room back (monotonic)
         self.native = config.native  # the C loops where they are built (native.available())
 
     @property
@@ -228,13 +229,15 @@ class Lane:
     def give_back(self, idle_s: float) -> int | None:
         """Finish the active segment if no append ran for ``idle_s`` seconds, giving back its
         preallocated room (the next append starts a new segment, as room allows); the bytes
-        given back (0 with no active segment), or None where the lane appended since."""
+        given back (0 with no active segment, or one given back within ``GIVE_BACK_EVERY_S``),
+        or None where the lane appended since."""
         act = self._active
-        if act is None:
+        now = time.monotonic()
+        if act is None or now - self._gave_back < GIVE_BACK_EVERY_S:
             return 0
-        if time.monotonic() - self._last_append < idle_s:
+        if now - self._last_append < idle_s:
             return None
-        self._active = None
+        self._active, self._gave_back = None, now
         self._finish(act)
         return act.size - act.end
 
@@ -709,6 +712,12 @@ IDLE_GIVE_BACK_S = 1.0
 """A lane that appended nothing for this long gives back its active segment's preallocated
 room when a writer asks for room (``Writer.give_back``); a lane that appends more often keeps
 it, so two busy writers on a crowded root do not start a segment each per batch."""
+
+GIVE_BACK_EVERY_S = 30.0
+"""A lane gives its room back at most this often. On a root short of room all the time (more
+writers than whole segments fit), requests for room keep coming, and a writer that puts every
+few seconds would otherwise start a segment per put (an earlier release on idleness alone,
+reverted in eb24f1f: 102 segments for 300 records against ~19)."""
 
 
 LANE_MIN_RECORD = 128 << 10
