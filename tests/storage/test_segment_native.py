@@ -1119,3 +1119,66 @@ def test_a_library_that_never_tests_right_is_not_built_again_for_a_while(
     assert native._load() is None
     assert len(builds) == 2, "not built again"
     assert list((tmp_path / "cache").glob("*.so.failed"))
+
+
+def test_processes_started_together_build_the_library_once(tmp_path: Path) -> None:
+    """Three processes open the C loops at once on an empty cache (the ranks of a TP engine
+    starting on one host): one compiles while the others wait on its lock, and all three load
+    what it built; no lock file is left."""
+    real = subprocess.run(["sh", "-c", "command -v cc || command -v gcc"], capture_output=True)
+    cc = real.stdout.decode().strip()
+    if not cc:
+        pytest.skip("no C compiler")
+    calls = tmp_path / "calls"
+    slow = tmp_path / "slowcc"  # logs each build and takes a second longer than the compiler
+    slow.write_text(f'#!/bin/sh\necho x >> {calls}\nsleep 1\nexec {cc} "$@"\n')
+    slow.chmod(0o700)
+    cache = tmp_path / "cache"
+    script = "from kvtier.storage.segments import native; print(native._load() is not None)"
+    env = child_env(CC=str(slow), KVTIER_CACHE_DIR=str(cache))
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True)
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert outs == ["True"] * 3, outs
+    assert calls.read_text().count("x") == 1, "built once"
+    assert not list(cache.glob("*.lock")), "the lock file goes with the build"
+
+
+def test_a_build_lock_held_too_long_leaves_the_python_loops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds the build lock past ``_LOCK_WAIT_S`` (a build that hangs there):
+    this one runs the Python loops without compiling or marking a failure, and builds once the
+    lock is free."""
+    import fcntl
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    calls = tmp_path / "calls"
+    logged = tmp_path / "logcc"
+    logged.write_text(f'#!/bin/sh\necho x >> {calls}\nexec cc "$@"\n')
+    logged.chmod(0o700)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CC", str(logged))
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(cache))
+    monkeypatch.setattr(native, "_LOCK_WAIT_S", 0.3)
+    assert native._load() is not None  # the library's name, then a fresh cache for the test
+    (built,) = cache.glob("native_io-*.so")
+    for p in cache.iterdir():
+        p.unlink()
+    calls.unlink()
+    fd = os.open(cache / f"{built.name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        start = time.monotonic()
+        assert native._load() is None
+        assert time.monotonic() - start < 10
+        assert not calls.exists(), "nothing compiled"
+        assert not list(cache.glob("*.failed")), "no failure marked: the next start builds"
+    finally:
+        os.close(fd)
+    assert native._load() is not None
+    assert calls.read_text().count("x") == 1

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -46,7 +47,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, Union
 
@@ -297,6 +298,58 @@ def _sweep(where: Path, keep: Path | None = None) -> None:
             if now - old.lstat().st_mtime > _STALE_S:
                 old.unlink()
                 _digest_path(old).unlink(missing_ok=True)
+                _lock_path(old).unlink(missing_ok=True)
+    for lock in where.glob("native_io-*.so.lock"):  # of a library never built (it failed)
+        library = lock.with_name(lock.name[: -len(".lock")])
+        with contextlib.suppress(OSError):
+            if not os.path.lexists(library) and now - lock.lstat().st_mtime > _RETRY_S:
+                lock.unlink()
+
+
+_LOCK_WAIT_S = _BUILD_TIMEOUT_S + 30.0
+"""How long a process waits for another's build of the same library (its lock) before it runs
+the Python loops: a build is cut off after ``_BUILD_TIMEOUT_S``."""
+
+
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[bool]:
+    """Hold ``<library>.lock`` (an exclusive ``flock``) around a build, so processes started
+    together (the ranks of a TP engine on one host) compile once, not once each, on a busy host
+    where each compile then took longer: True once held, False after ``_LOCK_WAIT_S`` waiting
+    (or if the lock file cannot be opened: the build goes ahead unlocked, as before)."""
+    try:
+        fd = os.open(
+            _lock_path(target), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except OSError as e:
+        log.info("segment store: no build lock (%s): building unlocked", e)
+        yield True
+        return
+    try:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.05)  # another process compiles: seconds
+        try:
+            yield True
+        finally:
+            # Unlinked while still held: a process waiting on this file then finds the library
+            # built (or its failure marked) when it gets the lock, and one arriving later finds
+            # the library, or makes a new lock file; the cache keeps no lock files.
+            with contextlib.suppress(OSError):
+                os.unlink(_lock_path(target))
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
+def _lock_path(target: Path) -> Path:
+    return target.with_name(target.name + ".lock")
 
 
 def _compiler() -> list[str]:
@@ -343,9 +396,22 @@ def _load() -> object | None:
                     _failed_path(target),
                 )
                 return None
-            if not _build(target, cc):
-                _mark_failed(target)
-                return None  # logged; building again would fail alike
+            with _build_lock(target) as held:
+                if not held:
+                    log.warning(
+                        "segment store: another process's build of %s took over %gs: the Python"
+                        " loops run",
+                        target,
+                        _LOCK_WAIT_S,
+                    )
+                    return None
+                # Built, or failed, by the process that held the lock while this one waited.
+                if not os.path.lexists(target):
+                    if _failed_lately(target):
+                        return None
+                    if not _build(target, cc):
+                        _mark_failed(target)
+                        return None  # logged; building again would fail alike
         lib = _open(target, hash_at)
         if lib is not None and _self_test(lib):
             with contextlib.suppress(OSError):
