@@ -16,8 +16,9 @@ so an edited source builds anew; the compiler command is part of that hash. The 
 any parent it needs) is created ``0700`` whatever the umask; one that other users could write
 into, owned by another user, or under a directory others could change (unless sticky, as
 ``/tmp``) is not used: a planted library would run as this process. The build goes to a
-temporary name, synced, its SHA-256 written beside it, then renamed into place, so processes
-building at once each load a whole library; a library whose bytes differ from that digest (cut
+temporary name, synced, its SHA-256 written beside it, then renamed into place, under a lock
+(``<library>.lock``) that processes starting together take in turn: one compiles, the others
+wait for it (up to the build's time limit) and load what it built; a library whose bytes differ from that digest (cut
 short: mapping it would kill the process with SIGBUS) is never mapped but rebuilt, as is one
 that will not load or fails its self-test, once. Where no compiler works, the rebuilt library still fails, ``$KVTIER_NATIVE`` is
 ``0`` / ``false`` / ``no`` / ``off``, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the store
