@@ -219,10 +219,10 @@ def page_runs(geom: ChunkGeometry, dev_pages: np.ndarray, host_pages: np.ndarray
     if not keep.all():
         dp, hp = dp[keep], hp[keep]
     if not dp.size:
-        return PageRuns(dp, hp, np.zeros(0, dtype=np.int64))
+        return PageRuns(dp.copy(), hp.copy(), np.zeros(0, dtype=np.int64))
     brk = np.flatnonzero((np.diff(dp) != 1) | (np.diff(hp) * geom.stride_page != geom.chunk_bytes))
-    if not brk.size:
-        return PageRuns(dp[:1], hp[:1], np.array([dp.size], dtype=np.int64))
+    if not brk.size:  # copies, as every other path gives: never views of the caller's pages
+        return PageRuns(dp[:1].copy(), hp[:1].copy(), np.array([dp.size], dtype=np.int64))
     first = np.concatenate((np.zeros(1, dtype=np.int64), brk + 1))
     return PageRuns(dp[first], hp[first], np.diff(np.append(first, dp.size)))
 
