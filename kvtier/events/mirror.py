@@ -126,6 +126,12 @@ class Mirror:
         """Resolve the hooks' ``ops`` and the L3 writer's ``written`` into the mirror, adding
         what changed to ``out`` (None: the mirror only, for a dropped batch)."""
         counters, held_by, partial = self.counters, self.held, self.partial
+        # Pages this step removed from the device or host, with their chunks: an L3 write the
+        # same step finished was of a page then still held (its host copy is pinned while it is
+        # written), so it is stored even where the step's eviction came first (it was published
+        # as lost before). What was written of pages gone from every medium is forgotten after.
+        dropped: dict[str, tuple] = {}
+        forget: list = []
         for kind, medium, data in ops or ():
             if kind == STORED:
                 for chunk in data:
@@ -136,23 +142,26 @@ class Mirror:
                 if gone:
                     pop = held.pop
                     for h in gone:
-                        pop(h)
+                        dropped[h] = pop(h)
                     if out is not None:
                         out.other(wire.BlockRemoved(list(map(_hexb, gone)), medium))
                     counters[_REMOVED_PAGES[medium]] += len(gone)
-                    if partial:
-                        self._forget(gone)
+                    forget.append(gone)
             else:
                 for m in MEDIA if medium is None else (medium,):
                     gone, held_by[m] = held_by[m], {}
-                    if partial:
-                        self._forget(gone)
+                    if m != MEDIUM_STORAGE:
+                        dropped.update(gone)
+                    forget.append(gone)
                 if medium in (None, MEDIUM_STORAGE):
                     partial.clear()
                 if out is not None:
                     out.other(wire.AllBlocksCleared(medium))
         for group, pairs in written or ():
-            self._store_written(group, pairs, out)
+            self._store_written(group, pairs, out, dropped)
+        if partial:
+            for gone in forget:
+                self._forget(gone)
 
     def _forget(self, gone) -> None:
         """Forget what was written of pages no medium holds any more."""
@@ -191,8 +200,11 @@ class Mirror:
                 self.counters[_STORED_PAGES[medium]] += j - i
             i = j
 
-    def _store_written(self, group: tuple[str, ...], pairs, out: _Events | None) -> None:
-        """``pairs`` of ``(pool, hash)`` written to L3; ``group``: the pools of a FULL page."""
+    def _store_written(
+        self, group: tuple[str, ...], pairs, out: _Events | None, dropped: dict[str, tuple]
+    ) -> None:
+        """``pairs`` of ``(pool, hash)`` written to L3; ``group``: the pools of a FULL page;
+        ``dropped``: chunks of pages the same step removed from the other media."""
         held, partial, P = self.held[MEDIUM_STORAGE], self.partial, self.P
         whole = len(group) == 1
         for pool, h in pairs:
@@ -206,7 +218,7 @@ class Mirror:
                 del partial[h]
             # Re-pointing a page at another medium's chunk is harmless: a hash names its whole
             # prefix, so every chunk that has it says the same about it.
-            page = self.chunk_of(h)
+            page = self.chunk_of(h) or dropped.get(h)
             if page is None:  # on no medium as published (cannot happen: host-pinned)
                 self.counters["storage_unknown_pages"] += 1
                 continue

@@ -8,7 +8,7 @@ import random
 from collections import Counter
 
 from kvtier.events import MEDIUM_STORAGE, wire
-from kvtier.events.mirror import STORED, Mirror
+from kvtier.events.mirror import REMOVED, STORED, Mirror
 from kvtier.runtime.cache import TieredKVCache
 from kvtier.runtime.config import StorageConfig
 from kvtier.storage import page_hashes
@@ -123,3 +123,30 @@ def test_v4_storage_attached_at_run_time_reports_its_pool_group(tmp_path):
     finally:
         cache.close()
         ix.close()
+
+
+def test_a_page_written_to_l3_in_the_step_that_evicts_it_is_published_stored():
+    """The step that acknowledges a page's L3 write also evicts it from the host (its pin
+    released at that acknowledgement): storage holds it, so it is published stored after its
+    host removal (it was counted unknown and never published); a page of two pools completes
+    alike, and one written nowhere whole is forgotten once no medium holds it."""
+    counters: Counter[str] = Counter()
+    mirror = Mirror(P, counters)
+    hs = [bytes([i]) * 32 for i in range(3)]
+    hexes = [h.hex() for h in hs]
+    mirror.apply([(STORED, "CPU", [_chunk(hexes)])], None, None)
+    group = ("c4", "c4_indexer")
+    mirror.apply(None, [(group, [("c4", hexes[1]), ("c4", hexes[2])])], mirror.events())
+    out = mirror.events()
+    mirror.apply(
+        [(REMOVED, "CPU", list(hexes))],
+        [(("kv",), [("kv", hexes[0])]), (group, [("c4_indexer", hexes[1])])],
+        out,
+    )
+    removed, stored = out.events  # the two pages in one event: the second continues the first
+    assert isinstance(removed, wire.BlockRemoved) and set(removed.block_hashes) == set(hs)
+    assert isinstance(stored, wire.BlockStored) and stored.medium == MEDIUM_STORAGE
+    assert stored.block_hashes == hs[:2] and stored.token_ids == list(range(2 * P))
+    assert set(mirror.held[MEDIUM_STORAGE]) == {hexes[0], hexes[1]}
+    assert not mirror.held["CPU"] and not counters["storage_unknown_pages"]
+    assert set(mirror.partial) == set(), "page 2 (one pool of two written) held nowhere now"
