@@ -261,8 +261,8 @@ class HostCopier:
                 return self._plan_kernel(route, d_items, h_items, d2h, layer_bytes * L, lead_plan)
         inline = CROSSOVERS["d2h" if d2h else "h2d"].inline_descriptors
         if per_layer and most <= inline:
-            # Few entries a layer: each built in Python when its layer is issued, the first
-            # before the forward pass, the rest at its waits (LayerEntries).
+            # Few entries a layer: each built in Python when its layer is issued (LayerEntries),
+            # not the whole batch's with numpy before the first layer's call.
             group: Callable[[int], tuple] = LayerEntries(geom, runs, d2h=d2h)
         else:
             group = lambda g: _group(build(), g)  # noqa: E731
@@ -373,8 +373,9 @@ class HostCopier:
         per_layer: bool,
     ) -> CopyPlan:
         # ``group(g)`` gives group ``g``'s call (``(dst, src, sizes, bytes)``), made when it is
-        # first issued: on the issue worker for all but a load's first layer, or by the waits
-        # of a load enqueued inline; either way off the thread's path to the forward pass.
+        # first issued: on the issue worker for all but a load's first layer; for a load
+        # enqueued inline, its first ``1 + load_ahead`` layers in ``start_loading`` and the
+        # rest at the forward pass's waits.
         groups: dict[int, tuple] = {}
         device, layout = self.dev.device, self.layout
 

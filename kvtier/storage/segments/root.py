@@ -211,9 +211,12 @@ class RootLock:
     # gives back the preallocated room of its idle writers when it moves (Writer.give_back).
 
     def ask_for_room(self) -> None:
-        """Count one more request for room (the lock held)."""
-        fd = self._open()
-        os.pwrite(fd, (self.room_asked() + 1).to_bytes(8, "little"), 0)
+        """Count one more request for room (the lock held); best effort: a count that cannot be
+        written (a full disk: the lock file's first block) fails nothing else."""
+        try:
+            os.pwrite(self._open(), (self.room_asked() + 1).to_bytes(8, "little"), 0)
+        except OSError as e:
+            log.debug("lock file %r: cannot count a request for room: %s", self._name, e)
 
     def room_asked(self) -> int:
         """The requests for room so far (0 before any, or if the lock file cannot be read)."""
