@@ -548,10 +548,14 @@ def test_idle_writers_give_back_their_room_when_another_asks(tmp_path: Path, mon
     assert held(busy) < whole, "a partial grant: the others hold the room"
     assert busy._lock.room_asked() == asked + 1
     assert on_disk() <= cap
+    monkeypatch.setattr(writer_module, "IDLE_GIVE_BACK_S", 3600.0)
     for w in idle:  # idle for less than IDLE_GIVE_BACK_S: they keep it
         assert w.exists([PoolTransfer("kv", [H[110]], [])]) == 1
         assert held(w) == whole
     monkeypatch.setattr(writer_module, "IDLE_GIVE_BACK_S", 0.0)
+    short = held(busy)
+    assert busy.exists([PoolTransfer("kv", [H[110]], [])]) == 1
+    assert held(busy) == short, "its own request is no news to the process that made it"
     for i, w in enumerate(idle):  # the request is still pending for them: given back now
         assert w.exists([PoolTransfer("kv", [H[110]], [])]) == 1
         assert held(w) is None
@@ -643,3 +647,58 @@ def test_an_idle_writer_process_gives_back_its_room(tmp_path: Path) -> None:
             child.wait()
     for w in ours:
         w.close()
+
+
+def test_room_requests_are_news_only_once_and_never_to_a_put(tmp_path: Path, monkeypatch) -> None:
+    """Helper 72's cases. Puts never give room back (a writer would start a new segment at
+    once: on a crowded root, a short one asking again; 32 puts made 32 segments), so writers
+    that only put roll exactly as with the give-back off. A count left in the lock file by
+    earlier processes is no request to a new one. A lock file replaced under the processes
+    (an operator) carries later requests to them all the same."""
+    from kvtier.storage.segments import writer as writer_module
+
+    record = RECORD_HEAD + PAGE
+    kw = dict(capacity_bytes=32 * record, segment_bytes=8 * record, io_threads=0)
+    monkeypatch.setattr(writer_module, "IDLE_GIVE_BACK_S", 0.0)
+    monkeypatch.setattr(writer_module, "GIVE_BACK_EVERY_S", 0.0)
+
+    def puts_only(root: Path) -> int:
+        ws = [store(root, **kw) for _ in range(4)]
+        for rnd in range(8):
+            for i, w in enumerate(ws):
+                keys = [H[(rnd * 4 + i) % 256]]
+                w.set([PoolTransfer("kv", keys, [expected(h) for h in keys])])
+        made = sum(w._writer._lanes[0]._numbers for w in ws)
+        for w in ws:
+            w.close()
+        return made
+
+    with_give_back = puts_only(tmp_path / "a")
+    monkeypatch.setattr(writer_module.Writer, "give_back", lambda self: 0)
+    assert with_give_back == puts_only(tmp_path / "b")
+    monkeypatch.undo()
+    monkeypatch.setattr(writer_module, "IDLE_GIVE_BACK_S", 0.0)
+
+    root = tmp_path / "c"
+    first = store(root, **kw)
+    first._lock.room_started()
+    with first._lock:
+        for _ in range(5):  # requests of processes long gone
+            first._lock.ask_for_room()
+    first.close()
+    w = store(root, **kw)
+    assert w.set([PoolTransfer("kv", [H[1]], [expected(H[1])])]).all_ok
+    before = w._writer._lanes[0]._active
+    assert w.exists([PoolTransfer("kv", [H[1]], [])]) == 1
+    assert w._writer._lanes[0]._active is before, "an old count is no request"
+    lock = root / "lock"
+    count = lock.read_bytes()
+    lock.unlink()  # an operator replaces the lock file; acquire follows it, so do the reads
+    lock.write_bytes(count)
+    other = store(root, **kw)
+    with other._lock:
+        other._lock.ask_for_room()
+    assert w.exists([PoolTransfer("kv", [H[1]], [])]) == 1
+    assert w._writer._lanes[0]._active is None, "the request in the new lock file was seen"
+    for b in (w, other):
+        b.close()

@@ -153,6 +153,7 @@ class RootLock:
     def __init__(self, dirfd: int, name: str, mode: int, timeout_s: float) -> None:
         self._dirfd, self._name, self._mode, self._timeout_s = dirfd, name, mode, timeout_s
         self._fd: int | None = None
+        self._seen: int | None = None  # requests for room acted on (see ask_for_room)
 
     def _open(self) -> int:
         if self._fd is None:
@@ -207,24 +208,54 @@ class RootLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     # The lock file's first 8 bytes count the times a writer found the root short of room (a
-    # roll granted less than a whole segment, or nothing): every process reads it cheaply and
-    # gives back the preallocated room of its idle writers when it moves (Writer.give_back).
+    # roll granted less than a whole segment, or nothing). Each process reads the count at its
+    # calls and gives back the preallocated room of its idle writers when it changed
+    # (Writer.give_back); ``_seen`` is the count this process has acted on.
 
     def ask_for_room(self) -> None:
-        """Count one more request for room (the lock held); best effort: a count that cannot be
-        written (a full disk: the lock file's first block) fails nothing else."""
+        """Count one more request for room (the lock held). Best effort: a count that cannot be
+        written (a full disk: the lock file's first block) fails nothing else. This process's
+        own request is no news to it: where nobody asked since it last looked, it is seen."""
         try:
-            os.pwrite(self._open(), (self.room_asked() + 1).to_bytes(8, "little"), 0)
+            n = (self.room_asked() or 0) + 1
+            os.pwrite(self._open(), n.to_bytes(8, "little"), 0)
         except OSError as e:
             log.debug("lock file %r: cannot count a request for room: %s", self._name, e)
+            return
+        if self._seen == n - 1:
+            self._seen = n
 
-    def room_asked(self) -> int:
-        """The requests for room so far (0 before any, or if the lock file cannot be read)."""
+    def room_asked(self) -> int | None:
+        """The requests for room so far in the lock file at the lock's name (an operator may
+        have replaced it: ``acquire`` follows that too); None if it cannot be read."""
         try:
-            raw = os.pread(self._open(), 8, 0)
+            fd = self._open()
+            if self._current(fd):
+                raw = os.pread(fd, 8, 0)
+            else:
+                other = os.open(self._name, os.O_RDONLY | _SAFE, dir_fd=self._dirfd)
+                try:
+                    raw = os.pread(other, 8, 0)
+                finally:
+                    os.close(other)
         except OSError:
-            return 0
+            return None
         return int.from_bytes(raw, "little") if len(raw) == 8 else 0
+
+    def room_started(self) -> None:
+        """A segment of this process starts (the lock held): on the first, the requests made
+        before this process held any room are seen (the count outlives processes)."""
+        if self._seen is None:
+            self._seen = self.room_asked()
+
+    def new_room_request(self) -> int | None:
+        """The count, where it changed since this process last acted on it; else None."""
+        asked = self.room_asked()
+        return None if asked is None or asked == self._seen else asked
+
+    def room_request_served(self, asked: int) -> None:
+        """Every request up to ``asked`` was acted on."""
+        self._seen = asked
 
     def __enter__(self) -> RootLock:  # noqa: PYI034 - py3.10 has no typing.Self
         self.acquire()

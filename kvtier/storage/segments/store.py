@@ -368,8 +368,10 @@ class SegmentBackend(StorageBackend):
     # -- StorageBackend --------------------------------------------------------------------------
 
     def _give_back_idle(self) -> None:
-        """``Writer.give_back`` from a call that appends nothing, unless an append is running
-        (this process's writer is busy then)."""
+        """``Writer.give_back`` from a lookup or a get, unless an append is running (this
+        process's writer is busy then). Not from a put or a delete: their writer would give its
+        segment back only to start a new one at once, on a crowded root a short one that asks
+        for room again (helper 72: a segment per put among writers putting every second)."""
         if self._append.acquire(blocking=False):
             try:
                 self._writer.give_back()
@@ -395,7 +397,6 @@ class SegmentBackend(StorageBackend):
 
     @_gated
     def _write(self, object_keys: list[str], pages: list[Parts]) -> list[bool]:
-        self._give_back_idle()
         n = len(object_keys)
         out = [False] * n
         todo: list[int] = []
@@ -446,7 +447,6 @@ class SegmentBackend(StorageBackend):
     def _delete(self, object_keys: list[str]) -> list[bool]:
         """Tombstones in this process's journal for the keys the root holds (see the module
         docstring); a key it does not hold is gone already."""
-        self._give_back_idle()
         index = self._index
         with index.mutex:
             listed = index.listings

@@ -485,6 +485,7 @@ class Lane:
                 self._index.insert_locked(act.seg, entries)
             ok[j:k] = [True] * (k - j)
             j = k
+        self._last_append = time.monotonic()  # tombstones are appends too
         return ok
 
     # -- segments of this process -----------------------------------------------------------------
@@ -517,6 +518,7 @@ class Lane:
         fd = jfd = -1
         try:
             with self._roll_lock, self._space.lock:
+                self._space.lock.room_started()
                 if cap is not None:
                     # Room for a whole segment, else (other writers' active segments hold the
                     # rest: many writers on one capped root) a smaller one, in half of what
@@ -633,7 +635,6 @@ class Writer:
         ]
         self._pool, self._helpers = pool, config.io_threads
         self._space = space
-        self._asked_seen = 0  # requests for room seen (RootLock.room_asked)
 
     def append(
         self,
@@ -690,12 +691,13 @@ class Writer:
         lane holds a segment. Callers hold the append lock; the bytes given back."""
         if all(lane.active is None for lane in self._lanes):
             return 0  # nothing held (a process that only reads never opens the lock file)
-        asked = self._space.lock.room_asked()
-        if asked == self._asked_seen:
+        lock = self._space.lock
+        asked = lock.new_room_request()
+        if asked is None:
             return 0
         given = [lane.give_back(IDLE_GIVE_BACK_S) for lane in self._lanes]
         if None not in given:  # else a busy lane gives back once it has been idle that long
-            self._asked_seen = asked
+            lock.room_request_served(asked)
         return sum(g for g in given if g is not None)
 
     def tombstone(self, keys: list[str], times: Sequence[int] | None = None) -> list[bool]:
