@@ -74,14 +74,20 @@ def _chunk(hashes: list[str]) -> tuple:
     return (hashes, 0, None, list(range(P * len(hashes))), None)
 
 
+def _host_pages(n: int) -> tuple[Counter[str], Mirror, list[bytes], list[str]]:
+    """A mirror whose host holds one chunk of ``n`` pages: counters, mirror, hashes, hexes."""
+    counters: Counter[str] = Counter()
+    mirror = Mirror(P, counters)
+    hs = [bytes([i]) * 32 for i in range(n)]
+    hexes = [h.hex() for h in hs]
+    mirror.apply([(STORED, "CPU", [_chunk(hexes)])], None, None)
+    return counters, mirror, hs, hexes
+
+
 def test_a_page_is_stored_once_every_pool_of_its_group_was_written():
     """Written over two jobs (one pool each): stored after the second only; pools outside the
     group (SWA, Mamba) never make a page stored."""
-    counters: Counter[str] = Counter()
-    mirror = Mirror(P, counters)
-    hs = [bytes([i]) * 32 for i in range(3)]
-    hexes = [h.hex() for h in hs]
-    mirror.apply([(STORED, "CPU", [_chunk(hexes)])], None, None)
+    counters, mirror, hs, hexes = _host_pages(3)
     group = ("c4", "c4_indexer")
     out = mirror.events()
     mirror.apply(None, [(group, [("c4", hexes[0]), ("c4", hexes[1]), ("swa", hexes[2])])], out)
@@ -130,11 +136,7 @@ def test_a_page_written_to_l3_in_the_step_that_evicts_it_is_published_stored():
     released at that acknowledgement): storage holds it, so it is published stored after its
     host removal (it was counted unknown and never published); a page of two pools completes
     alike, and one written nowhere whole is forgotten once no medium holds it."""
-    counters: Counter[str] = Counter()
-    mirror = Mirror(P, counters)
-    hs = [bytes([i]) * 32 for i in range(3)]
-    hexes = [h.hex() for h in hs]
-    mirror.apply([(STORED, "CPU", [_chunk(hexes)])], None, None)
+    counters, mirror, hs, hexes = _host_pages(3)
     group = ("c4", "c4_indexer")
     mirror.apply(None, [(group, [("c4", hexes[1]), ("c4", hexes[2])])], mirror.events())
     out = mirror.events()

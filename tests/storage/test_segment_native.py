@@ -644,16 +644,23 @@ def test_a_build_that_hangs_is_cut_off_and_leaves_nothing(
     assert len(left) == 1 and left[0].endswith(".so.failed"), left  # the failure's marker only
 
 
+def _fake_cc(tmp_path: Path, name: str, then: str) -> tuple[Path, Path]:
+    """A ``$CC`` script that logs each call (an ``x`` a line in the returned ``calls`` file),
+    then runs ``then``."""
+    calls = tmp_path / "calls"
+    script = tmp_path / name
+    script.write_text(f"#!/bin/sh\necho x >> {calls}\n{then}\n")
+    script.chmod(0o700)
+    return script, calls
+
+
 def test_a_failed_build_is_not_tried_again_for_a_while(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A compiler that fails: the next loads (each process start, say) do not run it again
     while the failure's marker is younger than ``_RETRY_S``; an older marker, or none, and
     the build is tried again; the marker of a build that worked is swept."""
-    calls = tmp_path / "calls"
-    failing = tmp_path / "failcc"
-    failing.write_text(f"#!/bin/sh\necho x >> {calls}\nexit 1\n")
-    failing.chmod(0o700)
+    failing, calls = _fake_cc(tmp_path, "failcc", "exit 1")
     cache = tmp_path / "cache"
     monkeypatch.setenv("CC", str(failing))
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(cache))
@@ -1129,10 +1136,7 @@ def test_processes_started_together_build_the_library_once(tmp_path: Path) -> No
     cc = real.stdout.decode().strip()
     if not cc:
         pytest.skip("no C compiler")
-    calls = tmp_path / "calls"
-    slow = tmp_path / "slowcc"  # logs each build and takes a second longer than the compiler
-    slow.write_text(f'#!/bin/sh\necho x >> {calls}\nsleep 1\nexec {cc} "$@"\n')
-    slow.chmod(0o700)
+    slow, calls = _fake_cc(tmp_path, "slowcc", f'sleep 1\nexec {cc} "$@"')  # a second longer
     cache = tmp_path / "cache"
     script = "from kvtier.storage.segments import native; print(native._load() is not None)"
     env = child_env(CC=str(slow), KVTIER_CACHE_DIR=str(cache))
@@ -1157,10 +1161,7 @@ def test_a_build_lock_held_too_long_leaves_the_python_loops(
 
     if shutil.which("cc") is None:
         pytest.skip("no C compiler")
-    calls = tmp_path / "calls"
-    logged = tmp_path / "logcc"
-    logged.write_text(f'#!/bin/sh\necho x >> {calls}\nexec cc "$@"\n')
-    logged.chmod(0o700)
+    logged, calls = _fake_cc(tmp_path, "logcc", 'exec cc "$@"')
     cache = tmp_path / "cache"
     monkeypatch.setenv("CC", str(logged))
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(cache))
