@@ -18,11 +18,12 @@ into, owned by another user, or under a directory others could change (unless st
 ``/tmp``) is not used: a planted library would run as this process. The build goes to a
 temporary name, synced, its SHA-256 written beside it, then renamed into place, under a lock
 (``<library>.lock``) that processes starting together take in turn: one compiles, the others
-wait for it (up to the build's time limit) and load what it built; a library whose bytes differ from that digest (cut
-short: mapping it would kill the process with SIGBUS) is never mapped but rebuilt, as is one
-that will not load or fails its self-test, once. Where no compiler works, the rebuilt library still fails, ``$KVTIER_NATIVE`` is
-``0`` / ``false`` / ``no`` / ``off``, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the store
-runs the same loops in Python (``available()`` is False); results are identical.
+wait for it (up to the build's time limit) and load what it built. A library whose bytes
+differ from that digest (cut short: mapping it would kill the process with SIGBUS) is never
+mapped but rebuilt, as is one that will not load or fails its self-test, once. Where no
+compiler works, the rebuilt library still fails, ``$KVTIER_NATIVE`` is ``0`` / ``false`` /
+``no`` / ``off``, or ``xxhash`` lacks a ``ctypes``-callable XXH3, the store runs the same loops
+in Python (``available()`` is False); results are identical.
 
 The checksum is the ``xxhash`` binding's own XXH3-64, called by address from C, so a record
 written by either path verifies on the other. A record of several parts (``Parts``: a page_first
