@@ -250,7 +250,7 @@ class HostCopier:
         # A load's descriptors are built when its first copy-engine step is issued (on the
         # issue worker, or inline for a batch of few): here only counted, for the route. A
         # backup's are built now.
-        most = geom.num_buffers * len(runs) if per_layer else _most(build())
+        most = runs.layer_descriptors(geom) if per_layer else _most(build())
         if self.io_backend == "auto" and known is None:
             # Weigh what enqueueing this batch costs: its largest call's descriptors.
             route = self.route(d2h=d2h, call_bytes=call_bytes, descriptors=most)
@@ -312,7 +312,7 @@ class HostCopier:
             return None
         pages = self._pages(d_items), self._pages(h_items)
         runs = page_runs(self.geometry, *pages)
-        most = self.geometry.num_buffers * len(runs)
+        most = runs.layer_descriptors(self.geometry)
         route = self.route(d2h=False, call_bytes=layer_bytes, descriptors=most)
         if route.path == "copy_engine" and most <= CROSSOVERS["h2d"].inline_descriptors:
             return pages, runs, route

@@ -206,6 +206,11 @@ class PageRuns:
     def __len__(self) -> int:
         return len(self.dev)
 
+    def layer_descriptors(self, geom: ChunkGeometry) -> int:
+        """At most how many descriptors a layer's call of these runs takes (see
+        :func:`layer_descriptors`)."""
+        return geom.num_buffers * len(self.dev)
+
 
 def page_runs(geom: ChunkGeometry, dev_pages: np.ndarray, host_pages: np.ndarray) -> PageRuns:
     """The runs of device page ``dev_pages[i]`` paired with host page ``host_pages[i]``, pairs
@@ -232,7 +237,7 @@ def layer_descriptors(geom: ChunkGeometry, dev_pages: np.ndarray, host_pages: np
     without building any: one per (buffer, run) (a chunk could also continue into the next
     buffer's first page when the two tensors happen to touch; not counted, so this is an upper
     bound). Pairs with a ``-1`` are skipped."""
-    return geom.num_buffers * len(page_runs(geom, dev_pages, host_pages))
+    return page_runs(geom, dev_pages, host_pages).layer_descriptors(geom)
 
 
 def build_descriptors(
@@ -330,7 +335,7 @@ class LayerEntries:
             for d, h, n in self._runs:
                 s, t = (dev_base + d, host_base + h) if self._d2h else (host_base + h, dev_base + d)
                 if size and src[-1] + size[-1] == s and dst[-1] + size[-1] == t:
-                    size[-1] += n  # continues the previous entry on both sides (see above)
+                    size[-1] += n  # continues the previous entry on both sides, merged
                 else:
                     src.append(s)
                     dst.append(t)

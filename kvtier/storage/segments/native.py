@@ -300,8 +300,9 @@ def _sweep(where: Path, keep: Path | None = None) -> None:
             if now - old.lstat().st_mtime > _STALE_S:
                 old.unlink()
                 _digest_path(old).unlink(missing_ok=True)
-                _lock_path(old).unlink(missing_ok=True)
-    for lock in where.glob("native_io-*.so.lock"):  # of a library never built (it failed)
+    # A build's lock goes with the build; one whose holder was killed stays until a build of
+    # its library takes it, or, where none follows (its library gone), an hour after.
+    for lock in where.glob("native_io-*.so.lock"):
         library = lock.with_name(lock.name[: -len(".lock")])
         with contextlib.suppress(OSError):
             if not os.path.lexists(library) and now - lock.lstat().st_mtime > _RETRY_S:
