@@ -47,7 +47,53 @@ _WORD_DTYPE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 @triton.jit
-def _tile_offsets(
+def _tile_rows(
+    i_tile,
+    n_rows,
+    layer_start,
+    n_sel_layers,
+    n_tiles_r,
+    num_tiles,
+    CHUNKS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    LAYER_ROWS: tl.constexpr,
+    LAYER_INNER: tl.constexpr,
+):
+    """Tile ``i_tile``'s rows: their numbers and mask, each row's logical token, and the
+    tile's buffer and layer (each row's layer with LAYER_ROWS).
+    A tile is BLOCK_R rows of one (buffer, layer); row r is chunk r % CHUNKS of logical token
+    r // CHUNKS, BLOCK_W words wide. Items whose size is not a power of two are cut into equal
+    power-of-two chunks rather than padded, so no lane is masked off for width. Tiles are
+    numbered row blocks first; with LAYER_INNER (buffer, layer) first, so a program's next
+    tile is another layer of the same rows.
+    LAYER_ROWS (host layouts that keep a token's layers side by side, all-layer calls): a tile
+    is BLOCK_R rows of one buffer, row r chunk r % CHUNKS of layer (r // CHUNKS) % n_sel of
+    token r // (CHUNKS * n_sel), so the host side of a tile is one contiguous run per token
+    instead of a 2 KiB piece every L items."""
+    o_r = tl.arange(0, BLOCK_R)
+    if LAYER_INNER and not LAYER_ROWS:
+        n_bl = num_tiles // n_tiles_r
+        i_t = i_tile // n_bl
+        i_bl = (i_tile % n_bl).to(tl.int64)
+    else:
+        i_t = i_tile % n_tiles_r
+        i_bl = (i_tile // n_tiles_r).to(tl.int64)
+    o_row = i_t * BLOCK_R + o_r
+    m_row = o_row < n_rows
+    if LAYER_ROWS:
+        i_b = i_bl
+        o_kl = o_row // CHUNKS
+        o_k = o_kl // n_sel_layers
+        i_l = layer_start + (o_kl % n_sel_layers).to(tl.int64)
+    else:
+        i_b = i_bl // n_sel_layers
+        i_l = layer_start + i_bl % n_sel_layers
+        o_k = o_row // CHUNKS
+    return o_row, m_row, o_k, i_b, i_l
+
+
+@triton.jit
+def _tile_loads(
     i_tile,
     table_ptr,
     dev_idx_ptr,
@@ -56,44 +102,20 @@ def _tile_offsets(
     num_layers,
     layer_start,
     n_sel_layers,
-    page_size,
-    host_s_buf,
-    host_s_page,
-    host_s_tok,
-    host_s_layer,
-    dev_s_slot,
     n_tiles_r,
+    num_tiles,
     TOKENS_PER_INDEX: tl.constexpr,
     CHUNKS: tl.constexpr,
-    VEC: tl.constexpr,
-    TABLE_SCALE: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    BLOCK_W: tl.constexpr,
     LAYER_ROWS: tl.constexpr,
+    LAYER_INNER: tl.constexpr,
 ):
-    """Tile ``i_tile``'s row offsets on the device and on the host (in words) and its row mask.
-    A tile is BLOCK_R rows of one (buffer, layer); row r is chunk r % CHUNKS of logical token
-    r // CHUNKS, BLOCK_W words wide. Items whose size is not a power of two are cut into equal
-    power-of-two chunks rather than padded, so no lane is masked off for width.
-    LAYER_ROWS (host layouts that keep a token's layers side by side, all-layer calls): a tile
-    is BLOCK_R rows of one buffer, row r chunk r % CHUNKS of layer (r // CHUNKS) % n_sel of
-    token r // (CHUNKS * n_sel), so the host side of a tile is one contiguous run per token
-    instead of a 2 KiB piece every L items."""
-    o_r = tl.arange(0, BLOCK_R)
-    i_t = i_tile % n_tiles_r
-    o_row = i_t * BLOCK_R + o_r
-    m_row = o_row < n_rows
-    if LAYER_ROWS:
-        i_b = (i_tile // n_tiles_r).to(tl.int64)
-        o_kl = o_row // CHUNKS
-        o_k = o_kl // n_sel_layers
-        i_l = layer_start + (o_kl % n_sel_layers).to(tl.int64)
-    else:
-        i_bl = (i_tile // n_tiles_r).to(tl.int64)
-        i_b = i_bl // n_sel_layers
-        i_l = layer_start + i_bl % n_sel_layers
-        o_k = o_row // CHUNKS
-    o_c = (o_row % CHUNKS).to(tl.int64)
+    """What tile ``i_tile`` reads from device memory before it can address its rows: each row's
+    device and host slot (-1: none) and its (buffer, layer) tensor's table entry."""
+    _, m_row, o_k, i_b, i_l = _tile_rows(
+        i_tile, n_rows, layer_start, n_sel_layers, n_tiles_r, num_tiles, CHUNKS, BLOCK_R,
+        LAYER_ROWS, LAYER_INNER,
+    )  # fmt: skip
     if TOKENS_PER_INDEX == 1:
         b_dev = tl.load(dev_idx_ptr + o_k, mask=m_row, other=-1)
         b_host = tl.load(host_idx_ptr + o_k, mask=m_row, other=-1)
@@ -104,10 +126,44 @@ def _tile_offsets(
         b_host = tl.load(host_idx_ptr + o_j, mask=m_row, other=-1)
         b_dev = tl.where(b_dev >= 0, b_dev * TOKENS_PER_INDEX + o_in, -1)
         b_host = tl.where(b_host >= 0, b_host * TOKENS_PER_INDEX + o_in, -1)
-    m_row = m_row & (b_dev >= 0) & (b_host >= 0)
+    dev_base = tl.load(table_ptr + i_b * num_layers + i_l)
+    return b_dev, b_host, dev_base
 
-    dev_base = tl.load(table_ptr + i_b * num_layers + i_l) * TABLE_SCALE
-    o_dev = (dev_base + b_dev * dev_s_slot) * VEC + o_c * BLOCK_W
+
+@triton.jit
+def _tile_offsets(
+    i_tile,
+    b_dev,
+    b_host,
+    dev_base,
+    n_rows,
+    layer_start,
+    n_sel_layers,
+    page_size,
+    host_s_buf,
+    host_s_page,
+    host_s_tok,
+    host_s_layer,
+    dev_s_slot,
+    n_tiles_r,
+    num_tiles,
+    CHUNKS: tl.constexpr,
+    VEC: tl.constexpr,
+    TABLE_SCALE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    LAYER_ROWS: tl.constexpr,
+    LAYER_INNER: tl.constexpr,
+):
+    """Tile ``i_tile``'s row offsets on the device and on the host (in words) and its row mask,
+    from what ``_tile_loads`` read for it (see ``_tile_rows`` for what a tile is)."""
+    o_row, m_row, _, i_b, i_l = _tile_rows(
+        i_tile, n_rows, layer_start, n_sel_layers, n_tiles_r, num_tiles, CHUNKS, BLOCK_R,
+        LAYER_ROWS, LAYER_INNER,
+    )  # fmt: skip
+    o_c = (o_row % CHUNKS).to(tl.int64)
+    m_row = m_row & (b_dev >= 0) & (b_host >= 0)
+    o_dev = (dev_base * TABLE_SCALE + b_dev * dev_s_slot) * VEC + o_c * BLOCK_W
     o_host = (
         i_b * host_s_buf
         + (b_host // page_size) * host_s_page
@@ -160,11 +216,15 @@ def _kv_copy_kernel(
     LAYER_ROWS: tl.constexpr,
     REPS: tl.constexpr,  # pieces per row
     W2: tl.constexpr,  # words per piece (REPS * W2 == BLOCK_W)
+    PREFETCH: tl.constexpr,  # the next tile's indices read before this tile's stores
+    LAYER_INNER: tl.constexpr,  # a program's next tile: the next (buffer, layer), same rows
 ):
-    # Tiles are walked grid-stride (see _tile_offsets for what a tile is); a tile's loads are
-    # all issued before its stores, then the next tile's. (Issuing the next tile's loads
-    # before this tile's stores, two tiles in flight, was measured slower in every case: H200,
-    # D->H at 2 programs 94 -> 59% of the copy engine; bench_small_grid_pipeline.md.)
+    # Tiles are walked grid-stride (see _tile_rows for what a tile is and their order); a
+    # tile's loads are all issued before its stores, then the next tile's. With PREFETCH only
+    # the next tile's indices and table entry are read before this tile's stores. (Issuing the
+    # next tile's data loads before this tile's stores, two tiles in flight, was measured
+    # slower in every case: H200, D->H at 2 programs 94 -> 59% of the copy engine;
+    # bench_small_grid_pipeline.md.)
     i_prog = tl.program_id(0)
     n_prog = tl.num_programs(0)
     # A row's BLOCK_W words as REPS pieces of W2 (one warp-wide access each), the pieces
@@ -179,12 +239,23 @@ def _kv_copy_kernel(
     else:
         src_ptr = host_ptr
         dst_ptr = dev_ptr
+    if PREFETCH:
+        b_dev, b_host, dev_base = _tile_loads(
+            i_prog, table_ptr, dev_idx_ptr, host_idx_ptr, n_rows, num_layers, layer_start,
+            n_sel_layers, n_tiles_r, num_tiles, TOKENS_PER_INDEX, CHUNKS, BLOCK_R, LAYER_ROWS,
+            LAYER_INNER,
+        )  # fmt: skip
     for i_tile in range(i_prog, num_tiles, n_prog):
+        if not PREFETCH:
+            b_dev, b_host, dev_base = _tile_loads(
+                i_tile, table_ptr, dev_idx_ptr, host_idx_ptr, n_rows, num_layers, layer_start,
+                n_sel_layers, n_tiles_r, num_tiles, TOKENS_PER_INDEX, CHUNKS, BLOCK_R,
+                LAYER_ROWS, LAYER_INNER,
+            )  # fmt: skip
         o_dev, o_host, m_row = _tile_offsets(
-            i_tile, table_ptr, dev_idx_ptr, host_idx_ptr, n_rows, num_layers, layer_start,
-            n_sel_layers, page_size, host_s_buf, host_s_page, host_s_tok, host_s_layer,
-            dev_s_slot, n_tiles_r, TOKENS_PER_INDEX, CHUNKS, VEC, TABLE_SCALE, BLOCK_R,
-            BLOCK_W, LAYER_ROWS,
+            i_tile, b_dev, b_host, dev_base, n_rows, layer_start, n_sel_layers, page_size,
+            host_s_buf, host_s_page, host_s_tok, host_s_layer, dev_s_slot, n_tiles_r,
+            num_tiles, CHUNKS, VEC, TABLE_SCALE, BLOCK_R, BLOCK_W, LAYER_ROWS, LAYER_INNER,
         )  # fmt: skip
         if D2H:
             o_src, o_dst = o_dev, o_host
@@ -195,6 +266,13 @@ def _kv_copy_kernel(
             mask=m_row[None, :, None],
             cache_modifier=".cg",
         )
+        if PREFETCH:
+            # The last tile reads its own entries again: every read stays in range.
+            b_dev, b_host, dev_base = _tile_loads(
+                tl.minimum(i_tile + n_prog, num_tiles - 1), table_ptr, dev_idx_ptr,
+                host_idx_ptr, n_rows, num_layers, layer_start, n_sel_layers, n_tiles_r,
+                num_tiles, TOKENS_PER_INDEX, CHUNKS, BLOCK_R, LAYER_ROWS, LAYER_INNER,
+            )  # fmt: skip
         tl.store(
             dst_ptr + (o_dst[None, :, None] + o_w),
             b_x,
@@ -244,6 +322,24 @@ class TransferKnobs:
             engine, bench_small_grid ``--sweep rows``: P=16 D->H at 4 programs 94.1-94.8 ->
             94.8-95.5, at 2 programs 90-91 -> 85, so not there; P=1 D->H 42 -> 59 at 1
             program, 83 -> 95 at 2, 94 -> 95.6 at 4; H->D within a point or two either way).
+        layer_inner: all-layer calls whose host keeps each token's layers side by side and
+            that do not take layer rows walk layers innermost: a program's next tile is the
+            next (buffer, layer) of the same rows, so each row's host writes run along its
+            token's layers as a warp of sgl-kernel's all-layer kernel writes them, rather than
+            a 2 KiB piece every L items (H200, page_first D->H all layers, P=16, % of the copy
+            engine, profiling/kernel_variants.py: 2 programs 90.0-90.9 -> 94.1-94.7, 1 program
+            46.7 -> 55.7, 4 programs (layer rows) unchanged). One-layer calls keep the usual
+            order: alternating buffers there was slower (H->D 2 programs 86 -> 79).
+        prefetch_h2d: host->device calls read the next tile's slot indices and table entry
+            while this tile's host reads are in flight, before its stores, so each tile's
+            chain is one host round trip rather than an index read and then a host read
+            (H200, P=16, % of the copy engine, profiling/kernel_variants.py: page_first one
+            layer 2 programs 63 -> 71-73, 1 program 32 -> 37; layer_first all layers 2
+            programs 78 -> 81-82; the small variant at 4 MiB 55 -> 61 and 92 -> 95 (2 and 4
+            programs); 4 programs otherwise within a few tenths). Not device->host (slower in
+            every case measured: page_first all layers 2 programs 90 -> 89, the token variant
+            at 4 programs 86 -> 70), not the token variant (92.7 -> 76 at 2 programs), not
+            with layers innermost (page_first all layers 2 programs 85.6 -> 83.3).
     """
 
     num_programs: int = 4
@@ -258,6 +354,8 @@ class TransferKnobs:
     token_tile_bytes: int = 131072
     token_num_warps: int = 32
     layer_rows_programs: int = 4
+    layer_inner: bool = True
+    prefetch_h2d: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -276,6 +374,9 @@ class TransferKnobs:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name}: expected an int, got {v!r}")
+        for name in ("layer_inner", "prefetch_h2d"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.num_programs < 1:
             raise ValueError(f"num_programs must be >= 1, got {self.num_programs}")
         for name in (
@@ -337,6 +438,9 @@ class TransferKnobs:
                 small_h2d_bytes=0,
                 token_d2h_programs=0,
                 token_h2d_programs=0,
+                # Reading ahead halved the token variant's host->device speed (H200, P=1, 2
+                # programs: 92.7 -> 76% of the copy engine one layer, 92.3 -> 56 all layers).
+                prefetch_h2d=self.prefetch_h2d and kind != "token",
             ),
         )
 
@@ -490,6 +594,7 @@ class _Prepared:
     meta: dict  # the kernel's constexprs and num_warps
     consts: tuple  # the constexprs' values in signature order (the compiled launcher's tail)
     layer_rows: bool  # rows span the selected layers (LAYER_ROWS)
+    layer_inner: bool  # a program's next tile: the next (buffer, layer) (LAYER_INNER)
     compiled: object = None  # the compiled kernel, once a launch through the JIT has made it
 
 
@@ -504,8 +609,9 @@ def _prepared(
     d2h: bool,
     knobs: TransferKnobs,
     layer_rows: bool = False,
+    layer_inner: bool = False,
 ) -> _Prepared:
-    key = (id(dev), id(host), tpi, d2h, knobs, layer_rows)
+    key = (id(dev), id(host), tpi, d2h, knobs, layer_rows, layer_inner)
     hit = _PREPARED.get(key)
     if hit is not None and hit.dev() is dev and hit.host() is host:
         return hit
@@ -521,6 +627,9 @@ def _prepared(
     # compiled variant per pool and direction (a small transfer masks the rows it lacks).
     block_r = max(1, tile_words // block_w)
     piece = min(block_w, 32 * vec)  # a warp's 32 lanes, one vector each
+    # Layers innermost read the next tile's entries from another (buffer, layer) anyway:
+    # there the read ahead cost more than it saved (TransferKnobs.prefetch_h2d).
+    prefetch = knobs.prefetch_h2d and not d2h and not layer_inner
 
     def as_words(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
         # Bytes first, then whole words: a view of the caller's memory, never a copy.
@@ -553,8 +662,11 @@ def _prepared(
             layer_rows,
             block_w // piece,
             piece,
+            prefetch,
+            layer_inner,
         ),
         layer_rows=layer_rows,
+        layer_inner=layer_inner,
         meta=dict(
             D2H=d2h,
             TOKENS_PER_INDEX=tpi,
@@ -566,6 +678,8 @@ def _prepared(
             LAYER_ROWS=layer_rows,
             REPS=block_w // piece,
             W2=piece,
+            PREFETCH=prefetch,
+            LAYER_INNER=layer_inner,
             num_warps=knobs.warps,
         ),
     )
@@ -640,23 +754,13 @@ def _launch(
             knobs, sibling = large, small
     else:
         knobs = large
-    # A token's layers side by side on the host (page_first, Mamba slots): an all-layer call
-    # walks each token's layers in its rows (TransferKnobs.layer_rows_programs).
-    adjacent = (
-        host.num_layers > 1
-        and host.stride_layer == host.item_bytes
-        and knobs.layer_rows_programs > 0
-        and (
-            knobs.layer_rows_programs <= knobs.num_programs
-            or (host.page_size == 1 and host.item_bytes <= knobs.token_item_bytes)
-        )
-    )
-    layer_rows = n_sel > 1 and adjacent
-    prep = _prepared(dev, host, tpi, d2h, knobs, layer_rows)
+    layer_rows, layer_inner = _all_layer_order(knobs, host) if n_sel > 1 else (False, False)
+    prep = _prepared(dev, host, tpi, d2h, knobs, layer_rows, layer_inner)
     if layer_rows and n_tokens * prep.chunks * n_sel > _I32_MAX:
         # The tile index math is i32: rows past 2**31 would wrap. Such a call (millions of
-        # tokens) takes one (buffer, layer) per tile, whose rows stay in range.
-        prep = _prepared(dev, host, tpi, d2h, knobs, False)
+        # tokens) takes one (buffer, layer) per tile, whose rows stay in range, in the order
+        # one-layer calls use (compiled already).
+        prep = _prepared(dev, host, tpi, d2h, knobs)
     grid0, args = _launch_args(prep, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
     compiled = prep.compiled
     if (
@@ -697,12 +801,14 @@ def _launch(
         prep.compiled = kernel
         # A cache compiles its variants in ``warmup`` with small calls; compile every other
         # variant this pair and direction may take too (no launch): the other host->device
-        # size, and where a token's layers are adjacent the other row order (one-layer and
+        # size, and where a token's layers are adjacent the other tile orders (one-layer and
         # all-layer calls). No later request waits for a compile.
         for kn in (knobs,) if sibling is None else (knobs, sibling):
-            # The small variant serves one-layer calls only: never layer rows.
-            for rows in (False, True) if adjacent and kn is not small else (False,):
-                other = _prepared(dev, host, tpi, d2h, kn, rows)
+            orders = {(False, False)}  # one-layer calls
+            if kn is not small:  # the small variant serves one-layer calls only
+                orders.add(_all_layer_order(kn, host))
+            for rows, inner in sorted(orders):
+                other = _prepared(dev, host, tpi, d2h, kn, rows, inner)
                 if other.compiled is None:
                     g, a = _launch_args(other, dev, host, dev_idx, host_idx, n_tokens, layer, n_sel)
                     other.compiled = _kv_copy_kernel.warmup(*a, grid=(g,), **other.meta)
@@ -710,6 +816,19 @@ def _launch(
                     # device to go idle (H100: the first host hit's load blocked the CPU for
                     # the 46 ms the forward pass queued before it still took to run).
                     _ = other.compiled.run
+
+
+def _all_layer_order(knobs: TransferKnobs, host: HostBuffer) -> tuple[bool, bool]:
+    """(layer rows, layers innermost) of an all-layer call with these knobs. Only hosts that
+    keep a token's layers side by side (page_first, Mamba slots) take either: layer rows
+    (``TransferKnobs.layer_rows_programs``), else layers innermost (``layer_inner``)."""
+    if host.num_layers == 1 or host.stride_layer != host.item_bytes:
+        return False, False
+    rows = knobs.layer_rows_programs > 0 and (
+        knobs.layer_rows_programs <= knobs.num_programs
+        or (host.page_size == 1 and host.item_bytes <= knobs.token_item_bytes)
+    )
+    return rows, knobs.layer_inner and not rows
 
 
 def _launch_args(

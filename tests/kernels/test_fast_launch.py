@@ -214,6 +214,7 @@ def test_token_variant_chosen_by_page_size_item_and_grid(
         assert launched[0] == (knobs.token_variant() if want[direction] else knobs), what
     v = knobs.token_variant()
     assert (v.tile_bytes, v.num_warps, v.token_d2h_programs, v.token_h2d_programs) == (256, 2, 0, 0)
+    assert not v.prefetch_h2d and knobs.prefetch_h2d and knobs.small_variant().prefetch_h2d
     assert v.num_programs == programs and knobs.token_variant() is v
 
 
@@ -261,6 +262,73 @@ def test_layer_rows_for_all_layer_calls_where_a_tokens_layers_are_adjacent(
         assert taken[0] == (on and layer is None), what
 
 
+@pytest.mark.parametrize("inner", [True, False])
+@pytest.mark.parametrize("rows_from", [0, 1, 3])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_layers_innermost_for_all_layer_calls_without_layer_rows(
+    layout, rows_from, inner, device, monkeypatch
+):
+    """All-layer calls into a host that keeps each token's layers side by side (page_first)
+    and that do not take layer rows (``layer_rows_programs`` 0, or above the grid's 2
+    programs) walk layers innermost (``LAYER_INNER``: a program's next tile is the next
+    (buffer, layer) of the same rows) when ``layer_inner`` is on; one-layer calls, layer-row
+    calls and other layouts keep the usual order. Bit-exact either way: 8-row tiles over 3
+    layers, 2 buffers and 12 tokens, so each program's tiles cross layers, buffers and row
+    blocks, and the last row block is partial."""
+    item = (2, 8)  # 32-byte items: one chunk a row, 8 rows a tile
+    dev, host, gen = _setup(layout, item, 19, device)
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    knobs = dataclasses.replace(
+        _tiny_knobs(item, tile_bytes=256, small_pages=0),
+        layer_rows_programs=rows_from,
+        layer_inner=inner,
+    )
+    on = layout == "page_first" and inner and not (0 < rows_from <= knobs.num_programs)
+    taken = _spy(monkeypatch, "layer_inner")
+    meta = _spy(monkeypatch, "meta")
+    for direction, layer in (("d2h", None), ("h2d", None), ("d2h", 1), ("h2d", 2)):
+        d2h = direction == "d2h"
+        ds = pages_to_slots(pick_pages(DEV_PAGES, 3, gen), P).to(device)
+        hs = pages_to_slots(pick_pages(HOST_PAGES, 3, gen), P).to(device)
+        taken.clear()
+        meta.clear()
+        what = f"{layout} {direction} layer {layer}"
+        _copy_and_compare(dev, host, ref_dev, ref_host, ds, hs, d2h, layer, knobs, what)
+        assert taken[0] == (on and layer is None), what
+        # Host->device calls read ahead, except with layers innermost.
+        assert meta[0]["PREFETCH"] is (not d2h and not taken[0]), what
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("tile_bytes", [64, 256])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_host_to_device_reads_the_next_tiles_indices_ahead(
+    layout, tile_bytes, prefetch, device, monkeypatch
+):
+    """With ``prefetch_h2d`` a host->device program reads its next tile's slot indices and
+    table entry before this tile's stores (``PREFETCH``); device->host calls never do.
+    Bit-exact either way, one-layer and all-layer, with several tiles per program (64-byte
+    tiles) or one (256-byte tiles: the last tile reads its own entries again)."""
+    item = (2, 8)
+    dev, host, gen = _setup(layout, item, 23, device)
+    ref_dev, ref_host = clone_device(dev), clone_host(host)
+    knobs = dataclasses.replace(
+        _tiny_knobs(item, tile_bytes=tile_bytes, small_pages=0), prefetch_h2d=prefetch
+    )
+    meta = _spy(monkeypatch, "meta")
+    for direction, layer in (("h2d", None), ("d2h", None), ("h2d", 0), ("d2h", 2)):
+        d2h = direction == "d2h"
+        for n in (1, 3):
+            dp = pick_pages(DEV_PAGES, n, gen).to(device)
+            hp = pick_pages(HOST_PAGES, n, gen).to(device)
+            meta.clear()
+            what = f"{layout} {direction} layer {layer}, {n} pages"
+            _copy_and_compare(
+                dev, host, ref_dev, ref_host, dp, hp, d2h, layer, knobs, what, index_unit="page"
+            )
+            assert meta[0]["PREFETCH"] is (prefetch and not d2h), what
+
+
 def test_layer_rows_give_way_where_rows_would_pass_int32(device, monkeypatch):
     """The kernel's tile math is i32: an all-layer call whose rows (tokens x chunks x layers)
     would pass it takes one (buffer, layer) per tile instead (here the limit is lowered to
@@ -293,6 +361,10 @@ def test_token_variant_knobs_are_checked():
         TransferKnobs(token_item_bytes=2.0)
     with pytest.raises(ValueError, match="layer_rows_programs"):
         TransferKnobs(layer_rows_programs=-4)
+    with pytest.raises(TypeError, match="layer_inner"):
+        TransferKnobs(layer_inner=1)
+    with pytest.raises(TypeError, match="prefetch_h2d"):
+        TransferKnobs(prefetch_h2d="yes")
 
 
 def test_default_warps_follow_the_grid():
