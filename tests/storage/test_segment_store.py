@@ -24,7 +24,14 @@ import torch
 
 from kvtier.storage import KeyScope, Namespace, PoolTransfer, create_backend, page_hashes
 from kvtier.storage.segments import SegmentBackend
-from kvtier.storage.segments.format import ENTRY_SIZE, RECORD_HEAD
+from kvtier.storage.segments.format import (
+    ENTRY_SIZE,
+    MAX_RECORD_END,
+    RECORD_HEAD,
+    Entry,
+    encode_entry,
+    parse_entries,
+)
 from kvtier.storage.segments.index import Index
 from tests.children import child_env
 
@@ -300,6 +307,39 @@ def test_journal_entry_pointing_past_the_segment_is_a_miss(root: Path) -> None:
     again = create_backend("file", root=root)
     assert served(again, H[:2]) == [True, False]
     assert snapshot(again)["checksum_miss_pages"] == 1
+
+
+@pytest.mark.parametrize(
+    ("offset", "length"),
+    [(2**63, PAGE), (2**63 - 1, PAGE), (2**64 - 4096, PAGE), (0, 2**63), (MAX_RECORD_END, 1)],
+)
+def test_journal_entry_naming_a_record_no_file_can_hold_is_left_out(
+    root: Path, offset: int, length: int
+) -> None:
+    """An entry written whole (its CRC holds) that names a record ending past any file offset
+    is not this store's: it is left out of the index, so the other pages of a batch naming its
+    key are served, its key is unknown (not an endless miss), and it can be written anew.
+    (Served, such an entry failed the whole batch, on every read.)"""
+    b = create_backend("file", root=root)
+    put(b, H[:4])
+    b.close()
+    journal = segments(root)[0].with_suffix(".kvj")
+    entries, used = parse_entries(journal.read_bytes())
+    assert used == journal.stat().st_size and [e.key for e in entries] == OBJ[:4]
+    entries[1] = entries[1]._replace(offset=offset, length=length)
+    journal.write_bytes(b"".join(encode_entry(e) for e in entries))
+    again = create_backend("file", root=root)
+    assert bounded(lambda: served(again, H[:4])) == [True, False, True, True]
+    assert again.exists([PoolTransfer("kv", H[:4])]) == 1, "the key is not indexed"
+    assert served(again, H[2:4]) == [True, True], "and the pages after it in the journal are"
+    assert put(again, H[1:2]) == [True] and served(again, H[:4]) == [True] * 4
+
+
+def test_journal_entry_ending_at_the_bound_is_read() -> None:
+    """The bound itself is a record end an entry may name (parse only: no file reaches it)."""
+    e = Entry(OBJ[0], MAX_RECORD_END - PAGE, PAGE, 0, 1)
+    entries, used = parse_entries(encode_entry(e) + encode_entry(e._replace(offset=MAX_RECORD_END)))
+    assert [x.offset for x in entries] == [MAX_RECORD_END - PAGE] and used == 2 * ENTRY
 
 
 @pytest.mark.parametrize("what", ["kvs", "kvj"])

@@ -41,6 +41,7 @@ from kvtier.storage.base import MAX_KEY_LENGTH
 
 __all__ = [
     "ENTRY_SIZE",
+    "MAX_RECORD_END",
     "RECORD_HEAD",
     "Entry",
     "encode_entries",
@@ -58,6 +59,9 @@ RECORD_HEAD = 0
 """Bytes before a record's payload in its segment: none (what verifies it is journaled)."""
 ENTRY_SIZE = _ENTRY.size + _CRC.size
 """Bytes of a journal entry before its key."""
+MAX_RECORD_END = 2**62
+"""The furthest end (offset + length) of a record that a parsed entry may name: far past any
+file this store writes, well inside a signed 64-bit file offset."""
 
 
 class Entry(NamedTuple):
@@ -118,6 +122,11 @@ def parse_entries(buf: bytes, seq: int = 0) -> tuple[list[Entry], int]:
     Parsing stops at the first entry that is cut short, fails its CRC, has unknown flags or holds
     a key that is not ASCII. Keys are not checked further: the store only compares them with
     object keys that ``StorageBackend`` validated, and never turns them into paths.
+
+    An entry whose record would end past ``MAX_RECORD_END`` (no file offset reaches it, and an
+    ``off_t`` could not hold it) is left out, with no number, and parsing goes on past it: its
+    CRC holds, so it was written whole, but not by this store. Served, it would fail every read
+    batch that names its key, not just its own page.
     """
     out: list[Entry] = []
     pos, end = 0, len(buf)
@@ -135,7 +144,10 @@ def parse_entries(buf: bytes, seq: int = 0) -> tuple[list[Entry], int]:
             key = buf[pos + ENTRY_SIZE : stop].decode("ascii")
         except UnicodeDecodeError:
             break
-        out.append(new(Entry, (key, offset, length, seq, time_ns, algorithm, checksum, flags != 0)))
-        seq += 1
+        if offset + length <= MAX_RECORD_END:
+            out.append(
+                new(Entry, (key, offset, length, seq, time_ns, algorithm, checksum, flags != 0))
+            )
+            seq += 1
         pos = stop
     return out, pos

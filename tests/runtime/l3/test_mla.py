@@ -15,7 +15,7 @@ import os
 import pytest
 
 from kvtier.runtime.cache import TieredKVCache
-from kvtier.storage import KeyScope, PrefetchOutcome, create_backend
+from kvtier.storage import KeyScope, PoolTransfer, PrefetchOutcome, create_backend
 from tests.runtime.l3.helpers import (
     PROMPT_TOKENS,
     conversations,
@@ -96,13 +96,23 @@ def test_mla_indexer_producer_consumer(l3_location):
         backend.close()
 
 
-def test_missing_indexer_pages_are_a_miss(tmp_path):
-    """KV pages without their indexer pages are no hit: the indexer moves with KV or not at all."""
-    run_producer("file_per_page", str(tmp_path), ["page_first"])
-    for name in os.listdir(tmp_path):
-        if name.split(".")[1] == "indexer":
-            os.remove(tmp_path / name)
-    backend = _backend("file_per_page", str(tmp_path))
+@pytest.mark.parametrize("kind", ["file", "file_per_page"])
+def test_missing_indexer_pages_are_a_miss(tmp_path, kind):
+    """KV pages without their indexer pages are no hit: the indexer moves with KV or not at all.
+    The segment store's indexer pages are deleted through its API (they share segment files
+    with KV pages); the per-page store's files are removed from the root."""
+    run_producer(kind, str(tmp_path), ["page_first"])
+    if kind == "file":
+        store = _backend(kind, str(tmp_path))
+        hashes = [k.split(".")[0] for k in store.object_keys() if k.split(".")[1] == "indexer"]
+        assert hashes and all(store.delete([PoolTransfer("indexer", hashes)]).ok["indexer"])
+        assert not any(k.split(".")[1] == "indexer" for k in store.object_keys())
+        store.close()
+    else:
+        for name in os.listdir(tmp_path):
+            if name.split(".")[1] == "indexer":
+                os.remove(tmp_path / name)
+    backend = _backend(kind, str(tmp_path))
     cache = make_mla_l3_cache(backend)
     pf, req = prefetch_and_run(cache, second_turn(conversations(SEED)[0]), run_turn)
     assert pf.outcome is PrefetchOutcome.REVOKED and pf.reason == "below_threshold", pf

@@ -1,7 +1,8 @@
 """Two TP ranks on gloo sharing a file L3: one rank misses a page, both trees stay identical.
 
 Each rank writes its own head shard (rank-suffixed keys). Rank 1's object for one page is then
-deleted, so its existence query finds fewer pages than rank 0's. The agreed (MIN) hit makes both
+deleted (the segment store's through its API, the per-page store's file from the root), so its
+existence query finds fewer pages than rank 0's. The agreed (MIN) hit makes both
 ranks read, commit and graft the same pages, and their trees are identical after every step.
 """
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvtier.runtime.l3.pools import namespace_for
-from kvtier.storage import KeyScope, page_hashes
+from kvtier.storage import KeyScope, PoolTransfer, StorageBackend, create_backend, page_hashes
 from kvtier.storage.file_backend import FilePerPageBackend, FilePerPageConfig
 from tests.runtime.l3.helpers import conversations, make_l3_cache, produce, second_turn
 from tests.runtime.synthetic import P, fingerprint, run_turn
@@ -24,14 +25,15 @@ from tests.runtime.synthetic import P, fingerprint, run_turn
 MISSING_PAGE = 3
 
 
-def _rank(rank: int, init: str, root: str, out: str) -> None:
+def _rank(rank: int, init: str, root: str, out: str, kind: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     group = dist.group.WORLD
     convs = conversations(31, n=2)
 
-    # The per-page store: one object's file is deleted below.
-    def store() -> FilePerPageBackend:
+    def store() -> StorageBackend:
+        if kind == "file":
+            return create_backend("file", root=root, scope=KeyScope(rank, 2))
         return FilePerPageBackend(FilePerPageConfig(root=root), scope=KeyScope(rank, 2))
 
     producer = make_l3_cache("full+swa", store(), tp_group=group)
@@ -41,7 +43,13 @@ def _rank(rank: int, init: str, root: str, out: str) -> None:
     if rank == 1:
         ns = namespace_for(producer.config, None, 2)
         h = page_hashes(convs[0], ns)[MISSING_PAGE]
-        os.remove(os.path.join(root, f"{h}.kv.r1.kvp"))
+        if kind == "file":
+            gone = store()
+            assert gone.delete([PoolTransfer("kv", [h])]).ok["kv"] == [True]
+            assert f"{h}.kv.r1" not in gone.object_keys()
+            gone.close()
+        else:
+            os.remove(os.path.join(root, f"{h}.kv.r1.kvp"))
     dist.barrier()
     cache = make_l3_cache("full+swa", store(), tp_group=group)
     same, loaded = [], []
@@ -73,12 +81,13 @@ def _rank(rank: int, init: str, root: str, out: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_one_rank_misses_a_page_trees_stay_identical():
+@pytest.mark.parametrize("kind", ["file", "file_per_page"])
+def test_one_rank_misses_a_page_trees_stay_identical(kind):
     with tempfile.TemporaryDirectory() as d:
         init = f"file://{os.path.join(d, 'store')}"
         out = os.path.join(d, "out.pt")
         root = os.path.join(d, "l3")
-        mp.start_processes(_rank, args=(init, root, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_rank, args=(init, root, out, kind), nprocs=2, start_method="spawn")
         same, loaded = torch.load(out)
     assert same and all(same), f"trees differed at steps {[i for i, s in enumerate(same) if not s]}"
     assert loaded == [MISSING_PAGE * P, 20], loaded
