@@ -182,8 +182,11 @@ def test_fails_fast_while_down_and_recovers_after_restart(restartable, tmp_path:
             seed += 1
             assert seed < 110, "the breaker never opened"
             keys = page_hashes(range(seed * 1000, seed * 1000 + 4 * PAGES), NS)
+            failed = backend.metrics.snapshot()["failed_pages.write"]
             res, seconds = timed(backend.set, [PoolTransfer("kv", keys, src)])
             assert not any(res.ok["kv"]) and seconds < DOWN_CALL_S, (res, seconds)
+            # Past its retry budget a write is dropped, every page counted.
+            assert backend.metrics.snapshot()["failed_pages.write"] - failed == PAGES
         before = backend.metrics.snapshot()
         # Opened once, or more if a write's retries outlasted a cooldown and probed the port.
         assert before["breaker.opened"] >= 1 and before["breaker.state.open"] == 1, before
