@@ -21,6 +21,7 @@ Indices are int64 tensors on the device pool's device: token slots (in page-alig
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from dataclasses import dataclass, replace
@@ -279,6 +280,17 @@ def _kv_copy_kernel(
             mask=m_row[None, :, None],
             cache_modifier=".cs",
         )
+
+
+def _constexpr_names(kernel: object) -> tuple[str, ...]:
+    """The kernel's ``tl.constexpr`` parameters in signature order (from its Python function,
+    so the JIT and the interpreter agree)."""
+    params = inspect.signature(kernel.fn).parameters  # type: ignore[attr-defined]
+    return tuple(n for n, p in params.items() if str(p.annotation).endswith("constexpr"))
+
+
+# The direct launch passes the constexprs' values after the runtime arguments, in this order.
+_CONSTEXPRS = _constexpr_names(_kv_copy_kernel)
 
 
 @dataclass(frozen=True)
@@ -592,9 +604,9 @@ class _Prepared:
     args: tuple  # host strides and the device slot stride, in vectors
     knobs: TransferKnobs  # the variant's knobs (for the grid cap)
     meta: dict  # the kernel's constexprs and num_warps
-    consts: tuple  # the constexprs' values in signature order (the compiled launcher's tail)
     layer_rows: bool  # rows span the selected layers (LAYER_ROWS)
     layer_inner: bool  # a program's next tile: the next (buffer, layer) (LAYER_INNER)
+    consts: tuple = ()  # ``meta``'s constexprs in signature order (the compiled launcher's tail)
     compiled: object = None  # the compiled kernel, once a launch through the JIT has made it
 
 
@@ -651,20 +663,6 @@ def _prepared(
             host.stride_layer // w,
             dev.item_bytes // w,
         ),
-        consts=(
-            d2h,
-            tpi,
-            item_words // block_w,
-            vec,
-            dev.table_unit // w,
-            block_r,
-            block_w,
-            layer_rows,
-            block_w // piece,
-            piece,
-            prefetch,
-            layer_inner,
-        ),
         layer_rows=layer_rows,
         layer_inner=layer_inner,
         meta=dict(
@@ -683,6 +681,7 @@ def _prepared(
             num_warps=knobs.warps,
         ),
     )
+    prep.consts = tuple(prep.meta[name] for name in _CONSTEXPRS)
     if len(_PREPARED) >= _PREPARED_MAX:
         _PREPARED.clear()
     _PREPARED[key] = prep

@@ -110,12 +110,15 @@ def _count_jit(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 @pytest.mark.parametrize("item", [(2, 8), (3, 12)])
-def test_direct_launch_matches_reference(layout, direction, item, monkeypatch):
+@pytest.mark.parametrize("rows_from", [1, 0])  # page_first all-layer: layer rows / innermost
+def test_direct_launch_matches_reference(layout, direction, item, rows_from, monkeypatch):
     device = torch.device("cuda")
     dev, host, gen = _setup(layout, item, 7, device)
     ref_dev, ref_host = clone_device(dev), clone_host(host)
     jit = _count_jit(monkeypatch)
-    knobs = _tiny_knobs(item, tile_bytes=64, small_pages=3)
+    knobs = dataclasses.replace(
+        _tiny_knobs(item, tile_bytes=64, small_pages=3), layer_rows_programs=rows_from
+    )
     d2h = direction == "d2h"
     # Calls of different sizes, layers and scopes: only the first goes through the JIT (which,
     # host->device, also compiles the other variant).
@@ -132,8 +135,9 @@ def test_direct_launch_matches_reference(layout, direction, item, monkeypatch):
         assert_bytes_equal(host.tensor, ref_host.tensor, what + " host")
         assert_bytes_equal(device_bytes(dev), device_bytes(ref_dev), what + " device")
         entries = _entries(dev, host)
-        # host->device: two sizes; page_first: two row orders for the large size (one-layer
-        # and all-layer calls; the small size serves one-layer calls only)
+        # host->device: two sizes; page_first: two tile orders for the large size (one-layer
+        # and all-layer calls: layer rows or layers innermost; the small size serves one-layer
+        # calls only)
         want = (1 if d2h else 2) + (layout == "page_first")
         assert len(entries) == want, what
         assert all(e.compiled is not None for e in entries), what
@@ -348,6 +352,33 @@ def test_layer_rows_give_way_where_rows_would_pass_int32(device, monkeypatch):
             dev, host, ref_dev, ref_host, dp, hp, True, None, knobs, f"{n} pages", index_unit="page"
         )
         assert taken[0] is want, n
+
+
+def test_constant_arguments_follow_the_kernels_signature(device):
+    """The direct launch passes each entry's constexprs after the runtime arguments in the
+    kernel's signature order: ``consts`` is ``meta``'s values in that order, for every
+    variant a pool pair takes (each direction, scope, size variant and tile order)."""
+    item = (2, 8)
+    names = kv_transfer._constexpr_names(kv_transfer._kv_copy_kernel)
+    assert names[:2] == ("D2H", "TOKENS_PER_INDEX") and names[-2:] == ("PREFETCH", "LAYER_INNER")
+    for rows_from in (1, 0):
+        dev, host, gen = _setup("page_first", item, 29, device)
+        ref_dev, ref_host = clone_device(dev), clone_host(host)
+        knobs = dataclasses.replace(
+            _tiny_knobs(item, tile_bytes=64, small_pages=1), layer_rows_programs=rows_from
+        )
+        for d2h, layer, n in ((True, None, 2), (False, None, 2), (False, 0, 1), (True, 1, 3)):
+            dp = pick_pages(DEV_PAGES, n, gen).to(device)
+            hp = pick_pages(HOST_PAGES, n, gen).to(device)
+            what = f"d2h {d2h} layer {layer}"
+            _copy_and_compare(
+                dev, host, ref_dev, ref_host, dp, hp, d2h, layer, knobs, what, index_unit="page"
+            )
+        entries = _entries(dev, host)
+        assert len(entries) >= 4
+        for e in entries:
+            assert set(e.meta) - {"num_warps"} == set(names)
+            assert e.consts == tuple(e.meta[k] for k in names)
 
 
 def test_token_variant_knobs_are_checked():
