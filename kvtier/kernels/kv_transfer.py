@@ -606,7 +606,7 @@ class _Prepared:
     meta: dict  # the kernel's constexprs and num_warps
     layer_rows: bool  # rows span the selected layers (LAYER_ROWS)
     layer_inner: bool  # a program's next tile: the next (buffer, layer) (LAYER_INNER)
-    consts: tuple = ()  # ``meta``'s constexprs in signature order (the compiled launcher's tail)
+    consts: tuple  # ``meta``'s constexprs in signature order (the compiled launcher's tail)
     compiled: object = None  # the compiled kernel, once a launch through the JIT has made it
 
 
@@ -639,8 +639,7 @@ def _prepared(
     # compiled variant per pool and direction (a small transfer masks the rows it lacks).
     block_r = max(1, tile_words // block_w)
     piece = min(block_w, 32 * vec)  # a warp's 32 lanes, one vector each
-    # Layers innermost read the next tile's entries from another (buffer, layer) anyway:
-    # there the read ahead cost more than it saved (TransferKnobs.prefetch_h2d).
+    # Not with layers innermost: measured slower there (TransferKnobs.prefetch_h2d).
     prefetch = knobs.prefetch_h2d and not d2h and not layer_inner
 
     def as_words(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
@@ -648,6 +647,21 @@ def _prepared(
         raw = t.view(-1).view(torch.uint8)[offset:]
         return raw[: raw.numel() // elem * elem].view(word)
 
+    meta = dict(
+        D2H=d2h,
+        TOKENS_PER_INDEX=tpi,
+        CHUNKS=item_words // block_w,
+        VEC=vec,
+        TABLE_SCALE=dev.table_unit // w,
+        BLOCK_R=block_r,
+        BLOCK_W=block_w,
+        LAYER_ROWS=layer_rows,
+        REPS=block_w // piece,
+        W2=piece,
+        PREFETCH=prefetch,
+        LAYER_INNER=layer_inner,
+        num_warps=knobs.warps,
+    )
     prep = _Prepared(
         dev=weakref.ref(dev),
         host=weakref.ref(host),
@@ -665,23 +679,9 @@ def _prepared(
         ),
         layer_rows=layer_rows,
         layer_inner=layer_inner,
-        meta=dict(
-            D2H=d2h,
-            TOKENS_PER_INDEX=tpi,
-            CHUNKS=item_words // block_w,
-            VEC=vec,
-            TABLE_SCALE=dev.table_unit // w,
-            BLOCK_R=block_r,
-            BLOCK_W=block_w,
-            LAYER_ROWS=layer_rows,
-            REPS=block_w // piece,
-            W2=piece,
-            PREFETCH=prefetch,
-            LAYER_INNER=layer_inner,
-            num_warps=knobs.warps,
-        ),
+        meta=meta,
+        consts=tuple(meta[name] for name in _CONSTEXPRS),
     )
-    prep.consts = tuple(prep.meta[name] for name in _CONSTEXPRS)
     if len(_PREPARED) >= _PREPARED_MAX:
         _PREPARED.clear()
     _PREPARED[key] = prep
