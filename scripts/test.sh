@@ -9,6 +9,11 @@ PY=${PYTHON:-python3}
 "$PY" -m ruff check kvtier tests profiling
 "$PY" -m ruff format --check kvtier tests profiling
 
+# Two workers (pytest-xdist) by default: the suite is CPU-bound single-threaded Python (Triton's
+# interpreter), so two workers on CI's 2 cores take ~60% of one's time. KVTIER_TEST_WORKERS=0
+# runs in one process.
+set -- -n "${KVTIER_TEST_WORKERS:-2}" "$@"
+
 if [ "$(id -u)" = 0 ] && command -v unshare >/dev/null && unshare -n true 2>/dev/null; then
   exec unshare -n bash -c 'ip link set lo up && exec "$0" -m pytest -q "$@"' "$PY" "$@"
 fi
