@@ -6,11 +6,15 @@ at any grid size. A TMA load keeps a whole tile in flight per request from one t
 this probe asks whether it lifts that ceiling on this link: a gather of random 16-token pages
 (2 KiB token rows, K and V, one layer; the ``bench_small_grid`` one-layer case) from a pinned host
 buffer into device slots, by tensor descriptors, against a contiguous ``copy_`` of the same bytes
-and kvtier's kernel, in one run.
+and kvtier's kernel, in one run. ``d2h`` asks the same of all-layer device->host copies into
+``layer_first`` and ``page_first`` hosts. Every TMA call is checked whole against torch before
+it is timed. Results: ``profiling/results/tma_probe.md``.
 
 Usage::
 
-    python3 -m profiling.tma_probe       # on a Hopper GPU
+    OUT=/tmp/out python3 -m profiling.tma_probe       # on a Hopper GPU: one layer, both ways
+    OUT=/tmp/out python3 -m profiling.tma_probe d2h   # all layers, device -> host
+    python3 -m profiling.tma_probe plot [results dir] # tma_probe.png from the two JSON files
 """
 
 from __future__ import annotations
@@ -84,8 +88,8 @@ def _tma_d2h_all(
     STAGES: tl.constexpr,
     DEV_TMA: tl.constexpr = False,
 ):
-    """All layers of pages device -> host: device rows by ordinary loads (``dev`` is
-    ``[NB, L, SLOTS, W]`` words), host tiles by TMA stores (``host`` layer_first ``[NB, L, HSIZE,
+    """All layers of pages device -> host: device rows by ordinary loads, or by TMA with
+    ``DEV_TMA`` (``dev`` is ``[NB, L, SLOTS, W]`` words), host tiles by TMA stores (``host`` layer_first ``[NB, L, HSIZE,
     W]`` or page_first ``[NB, HSIZE, L, W]``). Items are (page, buffer, layer, column chunk),
     layers inner."""
     hd = tl.make_tensor_descriptor(
@@ -156,7 +160,7 @@ VARIANTS = (
 
 
 def all_layers(rounds: int = 3) -> list[dict]:
-    """kvtier's kernel against host TMA stores, all layers device -> host, on kvtier's pools."""
+    """kvtier's kernel against the TMA variants, all layers device -> host, on kvtier's pools."""
     from kvtier.kernels.kv_transfer import TransferKnobs
     from profiling.bench_small_grid import copy_call
     from profiling.bench_transfer import N_TOKENS as NT
