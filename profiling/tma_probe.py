@@ -309,37 +309,17 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             continue
+        calls = {  # timed in this order in each round
+            "ce_h2d": ce_h2d,
+            "tma_h2d": functools.partial(tma_copy, host, dev, hp, dp, programs, bw, stages, warps),
+            "kv_h2d": copy_call(kpool, khost, kd, kh, "h2d", 0, TransferKnobs(programs)),
+            "ce_d2h": ce_d2h,
+            "tma_d2h": functools.partial(tma_copy, dev, host, dp, hp, programs, bw, stages, warps),
+        }
         res = {}
         for _ in range(3):
-            res.setdefault("ce_h2d", []).append(gbs(nbytes, median_ms(ce_h2d, rep_ms=50)))
-            res.setdefault("tma_h2d", []).append(
-                gbs(
-                    nbytes,
-                    median_ms(
-                        lambda: tma_copy(host, dev, hp, dp, programs, bw, stages, warps),
-                        rep_ms=50,
-                    ),
-                )
-            )
-            res.setdefault("kv_h2d", []).append(
-                gbs(
-                    nbytes,
-                    median_ms(
-                        copy_call(kpool, khost, kd, kh, "h2d", 0, TransferKnobs(programs)),
-                        rep_ms=50,
-                    ),
-                )
-            )
-            res.setdefault("ce_d2h", []).append(gbs(nbytes, median_ms(ce_d2h, rep_ms=50)))
-            res.setdefault("tma_d2h", []).append(
-                gbs(
-                    nbytes,
-                    median_ms(
-                        lambda: tma_copy(dev, host, dp, hp, programs, bw, stages, warps),
-                        rep_ms=50,
-                    ),
-                )
-            )
+            for name, fn in calls.items():
+                res.setdefault(name, []).append(gbs(nbytes, median_ms(fn, rep_ms=50)))
         best = {k: max(v) for k, v in res.items()}
         row.update({k: round(v, 2) for k, v in best.items()})
         row["tma_h2d_pct"] = round(100 * best["tma_h2d"] / best["ce_h2d"], 1)
